@@ -1,0 +1,955 @@
+//! The `[session_runtime]` section of OpenAB's configuration file.
+//!
+//! It chooses where a session's agent runs and how:
+//!
+//! ```toml
+//! [session_runtime]
+//! type = "local"                # local | kubernetes | agentcore; default local
+//! installation = "prod-bot"     # default "openab"
+//! idle_ttl = "30m"              # default "30m"; "0" disables idle suspension
+//! [session_runtime.retention]
+//! reset = "delete"              # delete | retain; default delete
+//! ended = "delete"              # delete | retain; default delete
+//! expired = "delete"            # delete | retain; default delete
+//! retain_for = "7d"             # default: retained storage is kept until an operator deletes it
+//! [session_runtime.local]
+//! root = "/var/lib/openab/sessions"
+//! sandbox = "auto"              # auto | bubblewrap | landlock | none; default auto
+//! network = "host"              # host | none; default host
+//! readonly = ["/opt/openab/skills:/skills"]
+//! home_template = "/etc/openab/home"
+//! terminate_grace = "5s"        # default "5s"
+//! [session_runtime.local.limits]
+//! memory = "2Gi"
+//! pids = 512
+//! cpu = 1.5
+//! [session_runtime.kubernetes]
+//! namespace = "openab-sessions"
+//! profile = "isolated-worker"   # names a cluster-owned profile; the broker cannot change it
+//! reach = "pod-ip"              # pod-ip | exec; default pod-ip
+//! start_timeout = "120s"        # default "120s"
+//! [session_runtime.agentcore]
+//! runtime_arn = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example"
+//! region = "us-east-1"          # default: the region in runtime_arn
+//! qualifier = "DEFAULT"         # default "DEFAULT"
+//! ```
+//!
+//! Durations are strings of numbers with units (`"90s"`, `"30m"`, `"4h"`, `"7d"`, `"1h30m"`).
+//! Byte sizes are strings in Kubernetes quantity style (`"512Mi"`, `"2Gi"`, `"1G"`).
+//!
+//! Parse with [`SessionRuntimeConfig::from_toml_document`] (a whole OpenAB configuration file) or
+//! [`SessionRuntimeConfig::from_toml_section`] (the section's body). Every problem is an
+//! [`Error::InvalidConfig`] whose `key` is the full dotted path of the offending key, e.g.
+//! `session_runtime.local.sandbox`: unknown keys, values of the wrong type or format, and
+//! contradictions between keys alike.
+//!
+//! The types also implement serde's `Deserialize`, so a larger configuration struct can embed
+//! [`SessionRuntimeConfig`] as a `#[serde(default)] session_runtime` field; call
+//! [`SessionRuntimeConfig::validate`] on the result, which the parsing functions here do for you.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result, RetentionPolicy};
+
+mod values;
+
+pub(crate) use values::serde_duration;
+use values::{check_mount_path, quoted, serde_byte_size_option};
+
+/// The name of the configuration section, and the first part of every key in errors.
+const SECTION_NAME: &str = "session_runtime";
+
+/// The `[session_runtime]` section: which runtime runs sessions, and its settings.
+///
+/// Every key is optional; [`SessionRuntimeConfig::default`] (an absent or empty section) is the
+/// local runtime with an automatically chosen sandbox. Tables of runtimes other than the selected
+/// one may be present; they are validated all the same, so switching `type` never uncovers a
+/// latent error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct SessionRuntimeConfig {
+    /// Which runtime runs sessions. TOML key `type`; default [`RuntimeKind::Local`].
+    #[serde(rename = "type")]
+    pub runtime: RuntimeKind,
+    /// The name of this broker deployment; it is part of every session's identity, so two
+    /// deployments sharing a cluster or host never collide. 1 to 63 characters of `a-z`, `0-9`
+    /// and `-`, not starting or ending with `-`. Default `"openab"`.
+    pub installation: String,
+    /// How long a session's worker may sit idle before `reconcile` suspends it (storage is kept).
+    /// Default 30 minutes ([`SessionRuntimeConfig::DEFAULT_IDLE_TTL`]). A zero duration (`"0"`,
+    /// `"0s"`) is `None`: idle workers are never suspended by the runtime.
+    #[serde(with = "idle_ttl")]
+    pub idle_ttl: Option<Duration>,
+    /// What happens to a closed session's storage: the `[session_runtime.retention]` table.
+    /// Default: deleted for every close reason.
+    pub retention: RetentionPolicy,
+    /// Settings of the local runtime: the `[session_runtime.local]` table. Default
+    /// [`LocalConfig::default`].
+    pub local: LocalConfig,
+    /// Settings of the Kubernetes runtime: the `[session_runtime.kubernetes]` table. Required
+    /// when `type = "kubernetes"`; default absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<KubernetesConfig>,
+    /// Settings of the AgentCore runtime: the `[session_runtime.agentcore]` table. Required when
+    /// `type = "agentcore"`; default absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agentcore: Option<AgentCoreConfig>,
+}
+
+impl Default for SessionRuntimeConfig {
+    fn default() -> Self {
+        SessionRuntimeConfig {
+            runtime: RuntimeKind::default(),
+            installation: Self::DEFAULT_INSTALLATION.to_owned(),
+            idle_ttl: Some(Self::DEFAULT_IDLE_TTL),
+            retention: RetentionPolicy::default(),
+            local: LocalConfig::default(),
+            kubernetes: None,
+            agentcore: None,
+        }
+    }
+}
+
+impl SessionRuntimeConfig {
+    /// The default [`installation`](Self::installation): `"openab"`.
+    pub const DEFAULT_INSTALLATION: &'static str = "openab";
+
+    /// The default [`idle_ttl`](Self::idle_ttl): 30 minutes.
+    pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+
+    /// Reads the `[session_runtime]` section of a whole OpenAB configuration file and validates it.
+    ///
+    /// Other top-level tables (`[agent]`, `[discord]`, ...) are ignored. A missing
+    /// `[session_runtime]` table gives [`SessionRuntimeConfig::default`]: the local runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the offending key (`session_runtime.local.sandbox`, ...):
+    /// for an unknown key, a value of the wrong type or format, or a failed
+    /// [`validate`](Self::validate). A TOML syntax error anywhere in the file is reported with the
+    /// key `session_runtime` (or the key it occurred in, when known) and its line and column.
+    pub fn from_toml_document(text: &str) -> Result<Self> {
+        /// A whole configuration file, of which only `[session_runtime]` matters here.
+        #[derive(Deserialize)]
+        struct Document {
+            #[serde(default)]
+            session_runtime: SessionRuntimeConfig,
+        }
+        let document: Document = deserialize_toml(text, &[])?;
+        document.session_runtime.validate()?;
+        Ok(document.session_runtime)
+    }
+
+    /// Reads the body of a `[session_runtime]` section (its keys, and nested tables written
+    /// relative to it as `[local]`, `[retention]`, ...) and validates it.
+    ///
+    /// Keys in errors are still full paths (`session_runtime.local.sandbox`); line and column
+    /// numbers refer to `text`.
+    ///
+    /// # Errors
+    ///
+    /// As for [`from_toml_document`](Self::from_toml_document).
+    pub fn from_toml_section(text: &str) -> Result<Self> {
+        let config: SessionRuntimeConfig = deserialize_toml(text, &[SECTION_NAME])?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what the types alone cannot: names, paths, ranges, required keys, and agreement
+    /// between keys.
+    ///
+    /// Every present table is checked, whichever runtime is selected.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the first offending key, e.g.
+    /// `session_runtime.installation` for a name that is not DNS-label-like, or
+    /// `session_runtime.kubernetes` when `type = "kubernetes"` has no `[session_runtime.kubernetes]`
+    /// table.
+    pub fn validate(&self) -> Result<()> {
+        if let Err(reason) = check_dns_label(&self.installation) {
+            return Err(invalid(
+                "installation",
+                format!("{reason}; it names this broker deployment, e.g. \"prod-bot\""),
+            ));
+        }
+        let required = match self.runtime {
+            RuntimeKind::Local => None,
+            RuntimeKind::Kubernetes => self
+                .kubernetes
+                .is_none()
+                .then_some(("kubernetes", "namespace and profile")),
+            RuntimeKind::Agentcore => self.agentcore.is_none().then_some(("agentcore", "runtime_arn")),
+        };
+        if let Some((table, keys)) = required {
+            return Err(invalid(
+                table,
+                format!(
+                    "type = \"{}\" needs a [{SECTION_NAME}.{table}] table with at least {keys}",
+                    self.runtime
+                ),
+            ));
+        }
+        self.local.validate()?;
+        if let Some(kubernetes) = &self.kubernetes {
+            kubernetes.validate()?;
+        }
+        if let Some(agentcore) = &self.agentcore {
+            agentcore.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// Which runtime runs sessions: the `type` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum RuntimeKind {
+    /// Child processes of the broker, plain or OS-sandboxed: `"local"`. The default.
+    #[default]
+    Local,
+    /// One worker Pod and volume per session: `"kubernetes"`.
+    Kubernetes,
+    /// One AWS Bedrock AgentCore Runtime microVM per session: `"agentcore"`.
+    Agentcore,
+}
+
+impl RuntimeKind {
+    /// Every runtime kind, in the order they are documented.
+    pub const ALL: [RuntimeKind; 3] = [
+        RuntimeKind::Local,
+        RuntimeKind::Kubernetes,
+        RuntimeKind::Agentcore,
+    ];
+
+    /// The configuration spelling: `"local"`, `"kubernetes"` or `"agentcore"`. It is also the
+    /// name of the cargo feature that compiles the runtime in.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RuntimeKind::Local => "local",
+            RuntimeKind::Kubernetes => "kubernetes",
+            RuntimeKind::Agentcore => "agentcore",
+        }
+    }
+}
+
+impl fmt::Display for RuntimeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `[session_runtime.local]` table: settings of the local runtime.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LocalConfig {
+    /// The directory that holds one subdirectory per session (`<root>/<session id>/`). Must be
+    /// absolute. Default `None`: the local runtime chooses its own default location.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root: Option<PathBuf>,
+    /// How sessions are isolated from each other and from the host. Default [`SandboxMode::Auto`].
+    pub sandbox: SandboxMode,
+    /// Whether sandboxed agents can reach the network. Default [`NetworkMode::Host`].
+    pub network: NetworkMode,
+    /// Host paths made visible read-only inside every sandbox, each written
+    /// `"HOST_PATH:SANDBOX_PATH"` with two absolute paths (e.g. `"/opt/openab/skills:/skills"`).
+    /// Default empty. Needs a sandbox: not allowed with `sandbox = "none"`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub readonly: Vec<ReadonlyMount>,
+    /// An administrator-owned directory copied into each new session's HOME at create (agent
+    /// credentials and configuration). Must be absolute. Default `None`: HOME starts empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub home_template: Option<PathBuf>,
+    /// Per-session resource limits (cgroups): the `[session_runtime.local.limits]` table.
+    /// Default `None`: no limits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits: Option<ResourceLimits>,
+    /// How long an agent may take to exit after SIGTERM before it is killed with SIGKILL.
+    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once.
+    #[serde(with = "serde_duration")]
+    pub terminate_grace: Duration,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        LocalConfig {
+            root: None,
+            sandbox: SandboxMode::default(),
+            network: NetworkMode::default(),
+            readonly: Vec::new(),
+            home_template: None,
+            limits: None,
+            terminate_grace: Self::DEFAULT_TERMINATE_GRACE,
+        }
+    }
+}
+
+impl LocalConfig {
+    /// The default [`terminate_grace`](Self::terminate_grace): 5 seconds.
+    pub const DEFAULT_TERMINATE_GRACE: Duration = Duration::from_secs(5);
+
+    /// Checks paths, mounts, limits and their agreement with the sandbox mode.
+    fn validate(&self) -> Result<()> {
+        if let Some(root) = &self.root {
+            check_absolute("local.root", root)?;
+        }
+        if let Some(template) = &self.home_template {
+            check_absolute("local.home_template", template)?;
+        }
+        for (index, mount) in self.readonly.iter().enumerate() {
+            if let Err(reason) = mount.check() {
+                return Err(invalid(
+                    "local.readonly",
+                    format!("entry {}: {reason}", index + 1),
+                ));
+            }
+            if let Some(earlier) = self.readonly[..index]
+                .iter()
+                .position(|m| m.target == mount.target)
+            {
+                return Err(invalid(
+                    "local.readonly",
+                    format!(
+                        "entries {} and {} both mount at {}",
+                        earlier + 1,
+                        index + 1,
+                        quoted(&mount.target)
+                    ),
+                ));
+            }
+        }
+        if self.sandbox == SandboxMode::None {
+            if self.network == NetworkMode::None {
+                return Err(invalid(
+                    "local.network",
+                    "network = \"none\" needs a sandbox, but sandbox = \"none\"; \
+                     choose sandbox = \"auto\" or \"bubblewrap\", or network = \"host\"",
+                ));
+            }
+            if !self.readonly.is_empty() {
+                return Err(invalid(
+                    "local.readonly",
+                    "read-only mounts need a sandbox, but sandbox = \"none\"; \
+                     choose sandbox = \"auto\" or \"bubblewrap\", or remove them",
+                ));
+            }
+        }
+        if let Some(limits) = &self.limits {
+            limits.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// How the local runtime isolates sessions: the `sandbox` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum SandboxMode {
+    /// Bubblewrap if it works on this host, else Landlock; if neither does, isolated sessions
+    /// refuse to start: `"auto"`. The default.
+    #[default]
+    Auto,
+    /// Bubblewrap namespaces (mount, pid, ipc, uts, optionally network); refuse to start without
+    /// it: `"bubblewrap"`.
+    Bubblewrap,
+    /// Landlock filesystem rules only; refuse to start without it: `"landlock"`.
+    Landlock,
+    /// No isolation at all: agents are plain child processes of the broker, as upstream OpenAB
+    /// runs them, and each session only gets its own HOME and worktree directory: `"none"`.
+    None,
+}
+
+impl SandboxMode {
+    /// The configuration spelling: `"auto"`, `"bubblewrap"`, `"landlock"` or `"none"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SandboxMode::Auto => "auto",
+            SandboxMode::Bubblewrap => "bubblewrap",
+            SandboxMode::Landlock => "landlock",
+            SandboxMode::None => "none",
+        }
+    }
+}
+
+impl fmt::Display for SandboxMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Whether sandboxed agents reach the network: the `network` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum NetworkMode {
+    /// The host's network, as the broker sees it: `"host"`. The default.
+    #[default]
+    Host,
+    /// A private network namespace with no interfaces but loopback: `"none"`. Needs a sandbox.
+    None,
+}
+
+impl NetworkMode {
+    /// The configuration spelling: `"host"` or `"none"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            NetworkMode::Host => "host",
+            NetworkMode::None => "none",
+        }
+    }
+}
+
+impl fmt::Display for NetworkMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A host path made visible read-only at a path inside every sandbox: one entry of `readonly`,
+/// written `"HOST_PATH:SANDBOX_PATH"`.
+///
+/// Both paths are absolute, without `.`, `..` or `:`; the sandbox path is not `/`. Mounts are
+/// read-only, always: there is no read-write variant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReadonlyMount {
+    /// The path on the host.
+    host: PathBuf,
+    /// The path inside the sandbox.
+    target: PathBuf,
+}
+
+impl ReadonlyMount {
+    /// A mount of `host` at `target` inside the sandbox.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] with key `session_runtime.local.readonly` if either path is not
+    /// absolute, contains `.`, `..` or `:`, or `target` is `/`.
+    pub fn new(host: impl Into<PathBuf>, target: impl Into<PathBuf>) -> Result<Self> {
+        let mount = ReadonlyMount {
+            host: host.into(),
+            target: target.into(),
+        };
+        mount
+            .check()
+            .map_err(|reason| invalid("local.readonly", reason))?;
+        Ok(mount)
+    }
+
+    /// The path on the host.
+    pub fn host(&self) -> &Path {
+        &self.host
+    }
+
+    /// The path inside the sandbox.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    /// Parses `"HOST_PATH:SANDBOX_PATH"`, returning the reason it is wrong on failure.
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        let mut parts = text.split(':');
+        let (Some(host), Some(target), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(format!(
+                "expected \"HOST_PATH:SANDBOX_PATH\" with two absolute paths, e.g. \
+                 \"/opt/openab/skills:/skills\", found {text:?}"
+            ));
+        };
+        let mount = ReadonlyMount {
+            host: host.into(),
+            target: target.into(),
+        };
+        mount.check().map_err(|reason| format!("{text:?}: {reason}"))?;
+        Ok(mount)
+    }
+
+    /// Checks both paths.
+    fn check(&self) -> std::result::Result<(), String> {
+        check_mount_path("host path", &self.host)?;
+        check_mount_path("sandbox path", &self.target)?;
+        if self.target.parent().is_none() {
+            return Err("the sandbox path must not be `/`".to_owned());
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for ReadonlyMount {
+    /// Formats as `HOST_PATH:SANDBOX_PATH`, the configuration syntax.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.host.display(), self.target.display())
+    }
+}
+
+impl Serialize for ReadonlyMount {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ReadonlyMount {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        /// Accepts a `"HOST_PATH:SANDBOX_PATH"` string.
+        struct MountVisitor;
+
+        impl serde::de::Visitor<'_> for MountVisitor {
+            type Value = ReadonlyMount;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string \"HOST_PATH:SANDBOX_PATH\" with two absolute paths")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> std::result::Result<ReadonlyMount, E> {
+                ReadonlyMount::parse(text).map_err(E::custom)
+            }
+        }
+
+        deserializer.deserialize_str(MountVisitor)
+    }
+}
+
+/// The `[session_runtime.local.limits]` table: per-session cgroup limits (cgroup v1 or v2).
+///
+/// Every limit is optional; an absent one is not limited.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ResourceLimits {
+    /// Memory limit in bytes. In TOML a size string in Kubernetes quantity style (`"512Mi"`,
+    /// `"2Gi"`, `"1G"`; `Ki`/`Mi`/`Gi`/`Ti`/`Pi` are powers of 1024, `k`/`M`/`G`/`T`/`P` powers
+    /// of 1000) or an integer number of bytes. Default `None`: unlimited.
+    #[serde(with = "serde_byte_size_option", skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u64>,
+    /// The most processes and threads a session may have at once; at least 1. Default `None`:
+    /// unlimited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u32>,
+    /// CPU time in cores (`1.5` is one and a half cores); more than zero. Default `None`:
+    /// unlimited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<f64>,
+}
+
+impl ResourceLimits {
+    /// Checks the ranges.
+    fn validate(&self) -> Result<()> {
+        if self.memory == Some(0) {
+            return Err(invalid("local.limits.memory", "must be more than zero"));
+        }
+        if self.pids == Some(0) {
+            return Err(invalid("local.limits.pids", "must be at least 1"));
+        }
+        if let Some(cpu) = self.cpu {
+            if !(cpu.is_finite() && cpu > 0.0) {
+                return Err(invalid(
+                    "local.limits.cpu",
+                    format!("must be a number of cores more than zero, e.g. 0.5 or 2, found {cpu}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `[session_runtime.kubernetes]` table: settings of the Kubernetes runtime.
+///
+/// Everything security-sensitive (image, resources, storage, read-only inputs, secrets, network
+/// policy, runtime class) lives in the cluster-owned profile named here, not in the broker's
+/// configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct KubernetesConfig {
+    /// The namespace that holds session Pods, volumes and records. Required: a DNS label
+    /// (1 to 63 characters of `a-z`, `0-9` and `-`, starting and ending with a letter or digit).
+    #[serde(default)]
+    pub namespace: String,
+    /// The name of the cluster-owned worker profile; only an administrator can edit it and the
+    /// broker cannot change it. Required: a DNS subdomain name (lower-case, up to 253 characters).
+    #[serde(default)]
+    pub profile: String,
+    /// How the broker reaches a worker's relay. Default [`Reach::PodIp`].
+    #[serde(default)]
+    pub reach: Reach,
+    /// How long a worker may take to become ready before the start fails. More than zero.
+    /// Default 120 seconds ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
+    #[serde(default = "KubernetesConfig::default_start_timeout", with = "serde_duration")]
+    pub start_timeout: Duration,
+}
+
+impl KubernetesConfig {
+    /// The default [`start_timeout`](Self::start_timeout): 120 seconds.
+    pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// Settings for `namespace` and `profile`, with every other key at its default.
+    pub fn new(namespace: impl Into<String>, profile: impl Into<String>) -> Self {
+        KubernetesConfig {
+            namespace: namespace.into(),
+            profile: profile.into(),
+            reach: Reach::default(),
+            start_timeout: Self::DEFAULT_START_TIMEOUT,
+        }
+    }
+
+    /// For `#[serde(default = ...)]`.
+    fn default_start_timeout() -> Duration {
+        Self::DEFAULT_START_TIMEOUT
+    }
+
+    /// Checks names and the timeout.
+    fn validate(&self) -> Result<()> {
+        if let Err(reason) = check_dns_label(&self.namespace) {
+            return Err(invalid(
+                "kubernetes.namespace",
+                format!("{reason}; it names the namespace that holds session Pods, e.g. \"openab-sessions\""),
+            ));
+        }
+        if let Err(reason) = check_dns_subdomain(&self.profile) {
+            return Err(invalid(
+                "kubernetes.profile",
+                format!("{reason}; it names the cluster-owned worker profile, e.g. \"isolated-worker\""),
+            ));
+        }
+        if self.start_timeout.is_zero() {
+            return Err(invalid(
+                "kubernetes.start_timeout",
+                "must be more than zero, e.g. \"120s\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How the broker reaches a worker's relay in Kubernetes: the `reach` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Reach {
+    /// TCP straight to the Pod's IP, for brokers running inside the cluster: `"pod-ip"`. The
+    /// default.
+    #[default]
+    PodIp,
+    /// A stdio bridge through `pods/exec`, for brokers outside the cluster and for CI: `"exec"`.
+    /// Needs `pods/exec` permission for the broker.
+    Exec,
+}
+
+impl Reach {
+    /// The configuration spelling: `"pod-ip"` or `"exec"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Reach::PodIp => "pod-ip",
+            Reach::Exec => "exec",
+        }
+    }
+}
+
+impl fmt::Display for Reach {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `[session_runtime.agentcore]` table: settings of the AWS Bedrock AgentCore runtime.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AgentCoreConfig {
+    /// The agent runtime's ARN,
+    /// `arn:aws:bedrock-agentcore:<region>:<12-digit account>:runtime/<runtime id>`. Required.
+    #[serde(default)]
+    pub runtime_arn: String,
+    /// The AWS region to call. Default `None`: the region in [`runtime_arn`](Self::runtime_arn);
+    /// if set it must be that region.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// The runtime endpoint (qualifier) to invoke: letters, digits, `_` and `-`, up to 100
+    /// characters. Default `None`: [`AgentCoreConfig::DEFAULT_QUALIFIER`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qualifier: Option<String>,
+}
+
+impl AgentCoreConfig {
+    /// The endpoint every agent runtime has, used when no qualifier is configured: `"DEFAULT"`.
+    pub const DEFAULT_QUALIFIER: &'static str = "DEFAULT";
+
+    /// Settings for the runtime `runtime_arn`, with every other key at its default.
+    pub fn new(runtime_arn: impl Into<String>) -> Self {
+        AgentCoreConfig {
+            runtime_arn: runtime_arn.into(),
+            region: None,
+            qualifier: None,
+        }
+    }
+
+    /// The region to call: [`region`](Self::region) if set, else the region part of
+    /// [`runtime_arn`](Self::runtime_arn). `None` only if neither is usable (which
+    /// [`SessionRuntimeConfig::validate`] rejects).
+    pub fn effective_region(&self) -> Option<&str> {
+        self.region
+            .as_deref()
+            .or_else(|| parse_runtime_arn(&self.runtime_arn).ok().map(|arn| arn.region))
+    }
+
+    /// The endpoint to invoke: [`qualifier`](Self::qualifier) if set, else
+    /// [`AgentCoreConfig::DEFAULT_QUALIFIER`].
+    pub fn effective_qualifier(&self) -> &str {
+        self.qualifier.as_deref().unwrap_or(Self::DEFAULT_QUALIFIER)
+    }
+
+    /// Checks the ARN, the region and the qualifier.
+    fn validate(&self) -> Result<()> {
+        let arn = parse_runtime_arn(&self.runtime_arn)
+            .map_err(|reason| invalid("agentcore.runtime_arn", reason))?;
+        if let Some(region) = &self.region {
+            if region != arn.region {
+                return Err(invalid(
+                    "agentcore.region",
+                    format!(
+                        "{region:?} is not the region of runtime_arn ({:?}); remove it or make them agree",
+                        arn.region
+                    ),
+                ));
+            }
+        }
+        if let Some(qualifier) = &self.qualifier {
+            let ok = !qualifier.is_empty()
+                && qualifier.len() <= 100
+                && qualifier
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !ok {
+                return Err(invalid(
+                    "agentcore.qualifier",
+                    format!(
+                        "expected an endpoint name of 1 to 100 letters, digits, `_` or `-`, e.g. \"DEFAULT\", found {qualifier:?}"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The parts of an AgentCore runtime ARN that are checked.
+struct RuntimeArn<'a> {
+    /// The region part.
+    region: &'a str,
+}
+
+/// Loosely checks `arn:<partition>:bedrock-agentcore:<region>:<account>:runtime/<id>`.
+fn parse_runtime_arn(arn: &str) -> std::result::Result<RuntimeArn<'_>, String> {
+    let expected = || {
+        format!(
+            "expected arn:aws:bedrock-agentcore:<region>:<12-digit account>:runtime/<runtime id>, found {arn:?}"
+        )
+    };
+    let parts: Vec<&str> = arn.splitn(6, ':').collect();
+    let [prefix, partition, service, region, account, resource] = parts[..] else {
+        return Err(expected());
+    };
+    let lower_dashed = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    };
+    let id = resource.strip_prefix("runtime/").unwrap_or("");
+    let ok = prefix == "arn"
+        && partition.starts_with("aws")
+        && lower_dashed(partition)
+        && service == "bedrock-agentcore"
+        && lower_dashed(region)
+        && account.len() == 12
+        && account.bytes().all(|b| b.is_ascii_digit())
+        && !id.is_empty()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(RuntimeArn { region })
+    } else {
+        Err(expected())
+    }
+}
+
+/// Checks an RFC 1123 DNS label: 1 to 63 characters of `a-z`, `0-9` and `-`, not starting or
+/// ending with `-`.
+fn check_dns_label(name: &str) -> std::result::Result<(), String> {
+    let ok = (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else if name.is_empty() {
+        Err("is required and must not be empty".to_owned())
+    } else {
+        Err(format!(
+            "expected 1 to 63 characters of a-z, 0-9 and '-', not starting or ending with '-', found {name:?}"
+        ))
+    }
+}
+
+/// Checks an RFC 1123 DNS subdomain name: up to 253 characters, DNS labels joined by `.`.
+fn check_dns_subdomain(name: &str) -> std::result::Result<(), String> {
+    if name.is_empty() {
+        return Err("is required and must not be empty".to_owned());
+    }
+    if name.len() <= 253 && name.split('.').all(|label| check_dns_label(label).is_ok()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected a DNS subdomain name (lower-case letters, digits, '-' and '.', up to 253 characters), found {name:?}"
+        ))
+    }
+}
+
+/// Checks that a configured path is absolute.
+fn check_absolute(key: &str, path: &Path) -> Result<()> {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(invalid(key, format!("{} is not an absolute path", quoted(path))))
+    }
+}
+
+/// An [`Error::InvalidConfig`] for `key`, given relative to the section (`local.root`).
+fn invalid(key: &str, reason: impl Into<String>) -> Error {
+    Error::InvalidConfig {
+        key: format!("{SECTION_NAME}.{key}"),
+        reason: reason.into(),
+    }
+}
+
+/// Deserializes `text` as TOML, reporting the full key path of any error. `prefix` are the keys
+/// in front of the document's own keys.
+fn deserialize_toml<T: DeserializeOwned>(text: &str, prefix: &[&str]) -> Result<T> {
+    serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|err| {
+        let mut key: Vec<&str> = prefix.to_vec();
+        let mut entries = Vec::new();
+        for segment in err.path() {
+            match segment {
+                serde_path_to_error::Segment::Map { key: part } => key.push(part),
+                serde_path_to_error::Segment::Seq { index } => entries.push(index + 1),
+                serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {}
+            }
+        }
+        let key = if key.is_empty() {
+            SECTION_NAME.to_owned()
+        } else {
+            key.join(".")
+        };
+        let inner = err.inner();
+        let mut reason = String::new();
+        // Every value here sits below a table, so an error at the root is in the TOML syntax.
+        if err.path().iter().next().is_none() {
+            reason.push_str("not valid TOML: ");
+        }
+        for entry in entries {
+            reason.push_str(&format!("entry {entry}: "));
+        }
+        let message = inner.message().trim();
+        if message.is_empty() {
+            reason.push_str("unexpected input");
+        } else {
+            // toml puts hints on lines of their own.
+            reason.push_str(&message.replace('\n', "; "));
+        }
+        if let Some(span) = inner.span() {
+            let (line, column) = line_column(text, span.start);
+            reason.push_str(&format!(" (at line {line}, column {column})"));
+        }
+        Error::InvalidConfig { key, reason }
+    })
+}
+
+/// The 1-based line and column (in characters) of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (line, before[line_start..].chars().count() + 1)
+}
+
+/// Serde adapter for [`SessionRuntimeConfig::idle_ttl`]: a duration string where zero means
+/// `None`; `None` is written as `"0s"`.
+mod idle_ttl {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    use super::serde_duration;
+
+    /// Writes the TTL, or `"0s"` for `None`.
+    pub(super) fn serialize<S: Serializer>(ttl: &Option<Duration>, serializer: S) -> Result<S::Ok, S::Error> {
+        serde_duration::serialize(&ttl.unwrap_or(Duration::ZERO), serializer)
+    }
+
+    /// Reads a duration string; zero is `None`.
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        serde_duration::deserialize(deserializer).map(|ttl| (!ttl.is_zero()).then_some(ttl))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_and_column() {
+        let text = "a = 1\nbé = 2\n";
+        assert_eq!(line_column(text, 0), (1, 1));
+        assert_eq!(line_column(text, 6), (2, 1));
+        assert_eq!(line_column(text, 9), (2, 3));
+        assert_eq!(line_column(text, 100), (3, 1));
+    }
+
+    #[test]
+    fn runtime_arns() {
+        for good in [
+            "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example",
+            "arn:aws-cn:bedrock-agentcore:cn-north-1:123456789012:runtime/my_agent-AbCdEf1234",
+        ] {
+            assert!(parse_runtime_arn(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "example",
+            "arn:aws:bedrock:us-east-1:123456789012:runtime/example",
+            "arn:aws:bedrock-agentcore:us-east-1:1234:runtime/example",
+            "arn:aws:bedrock-agentcore:us-east-1:123456789012:agent/example",
+            "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/",
+            "arn:aws:bedrock-agentcore::123456789012:runtime/example",
+            "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/ex/ample",
+        ] {
+            assert!(parse_runtime_arn(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn dns_names() {
+        assert!(check_dns_label("prod-bot").is_ok());
+        assert!(check_dns_label("0").is_ok());
+        assert!(check_dns_label(&"a".repeat(63)).is_ok());
+        for bad in ["", "-a", "a-", "Prod", "a_b", "a.b", &"a".repeat(64)] {
+            assert!(check_dns_label(bad).is_err(), "{bad}");
+        }
+        assert!(check_dns_subdomain("isolated-worker.v2").is_ok());
+        for bad in ["", ".a", "a..b", "A", "a."] {
+            assert!(check_dns_subdomain(bad).is_err(), "{bad}");
+        }
+    }
+}

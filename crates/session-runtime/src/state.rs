@@ -1,0 +1,366 @@
+//! Lifecycle states, reasons, status reports and capabilities: the data the contract speaks in.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::SessionId;
+
+/// A worker generation. Every worker start increments the session's generation first, and a
+/// stream, connection or worker of an older generation is fenced.
+pub type Generation = u64;
+
+/// Why compute is being released while storage, identity and record are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum SuspendReason {
+    /// The session saw no activity for the idle TTL.
+    Idle,
+    /// The broker needs room for another session (least recently active goes first).
+    Capacity,
+    /// The broker is shutting down.
+    Shutdown,
+    /// The agent stopped responding; the worker is killed without grace and the fault recorded.
+    Hung,
+}
+
+/// Why a session ends. Retention of its storage is decided per reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// The user asked for a clean slate in the same thread.
+    Reset,
+    /// The thread was closed or archived by a user or an administrator.
+    Ended,
+    /// The session's lifetime or retention ran out.
+    Expired,
+}
+
+macro_rules! display_as_serde_name {
+    ($ty:ty { $($variant:ident => $name:literal),* $(,)? }) => {
+        impl $ty {
+            /// The lower-case name used in configuration, records and logs.
+            pub fn as_str(&self) -> &'static str {
+                match self { $(Self::$variant => $name),* }
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+display_as_serde_name!(SuspendReason { Idle => "idle", Capacity => "capacity", Shutdown => "shutdown", Hung => "hung" });
+display_as_serde_name!(CloseReason { Reset => "reset", Ended => "ended", Expired => "expired" });
+
+/// Where a session is in its lifecycle.
+///
+/// ```text
+///            create            attach             suspend
+///  (none) ──────────▶ Created ───────▶ Running ───────────▶ Suspended
+///                        │               ▲   │                 │
+///                        │               └───┼──── attach ─────┘
+///                        │ close             │ close
+///                        ▼                   ▼
+///                     Closing ──(retention applied)──▶ Closed
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum SessionState {
+    /// Storage and record exist; no worker has run yet.
+    Created,
+    /// A worker of the current generation runs (or is starting).
+    Running,
+    /// No worker runs; storage is kept.
+    Suspended,
+    /// Close was recorded and is being carried out; `reconcile` finishes it after a crash.
+    Closing,
+    /// The session ended; its storage was deleted or is retained per policy.
+    Closed,
+}
+
+display_as_serde_name!(SessionState {
+    Created => "created",
+    Running => "running",
+    Suspended => "suspended",
+    Closing => "closing",
+    Closed => "closed",
+});
+
+impl SessionState {
+    /// Whether `attach` may start or reach a worker in this state.
+    pub fn can_attach(&self) -> bool {
+        matches!(self, Self::Created | Self::Running | Self::Suspended)
+    }
+
+    /// Whether `suspend` is meaningful (it is a no-op in `Created` and `Suspended`).
+    pub fn can_suspend(&self) -> bool {
+        matches!(self, Self::Created | Self::Running | Self::Suspended)
+    }
+
+    /// Whether a worker may legitimately run in this state.
+    pub fn may_run_worker(&self) -> bool {
+        matches!(self, Self::Running)
+    }
+
+    /// Whether the session has ended or is ending.
+    pub fn is_closed(&self) -> bool {
+        matches!(self, Self::Closing | Self::Closed)
+    }
+}
+
+/// What happened to a session's storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "state")]
+#[non_exhaustive]
+pub enum StorageState {
+    /// Storage exists and belongs to the live session.
+    Present,
+    /// The session is closed and its storage is kept, until the given time or, with `None`,
+    /// until an operator removes it.
+    Retained {
+        /// When `reconcile` may delete it.
+        until: Option<SystemTime>,
+    },
+    /// The storage was deleted.
+    Deleted,
+}
+
+/// The worker currently serving a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct WorkerInfo {
+    /// Backend-specific worker identity (a pid and start time, a Pod name and UID, a runtime session id).
+    pub worker_id: String,
+    /// The generation the worker was started for.
+    pub generation: Generation,
+    /// When it was started.
+    pub started_at: SystemTime,
+}
+
+impl WorkerInfo {
+    /// Describes a worker.
+    pub fn new(worker_id: impl Into<String>, generation: Generation, started_at: SystemTime) -> Self {
+        Self {
+            worker_id: worker_id.into(),
+            generation,
+            started_at,
+        }
+    }
+}
+
+/// A point-in-time view of one session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct SessionStatus {
+    /// The session.
+    pub id: SessionId,
+    /// Its lifecycle state.
+    pub state: SessionState,
+    /// Its current generation (0 until the first worker starts).
+    pub generation: Generation,
+    /// The worker of the current generation, if one is recorded as running.
+    pub worker: Option<WorkerInfo>,
+    /// When the session was created.
+    pub created_at: SystemTime,
+    /// The last lifecycle activity (create, attach, suspend, close).
+    pub last_activity: SystemTime,
+    /// What happened to its storage.
+    pub storage: StorageState,
+    /// The reason of the last suspend, if the session is suspended.
+    pub suspend_reason: Option<SuspendReason>,
+    /// The close reason, once closing.
+    pub close_reason: Option<CloseReason>,
+    /// Backend-specific references to its storage (directories, volume names), for operators.
+    pub storage_refs: Vec<String>,
+}
+
+impl SessionStatus {
+    /// A status for a session that was just created.
+    pub fn new(id: SessionId, created_at: SystemTime) -> Self {
+        Self {
+            id,
+            state: SessionState::Created,
+            generation: 0,
+            worker: None,
+            created_at,
+            last_activity: created_at,
+            storage: StorageState::Present,
+            suspend_reason: None,
+            close_reason: None,
+            storage_refs: Vec::new(),
+        }
+    }
+}
+
+/// What `create` returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionHandle {
+    /// The session.
+    pub id: SessionId,
+    /// Its state after the call.
+    pub state: SessionState,
+    /// Its generation after the call.
+    pub generation: Generation,
+    /// `true` if this call provisioned the session, `false` if it already existed.
+    pub created: bool,
+}
+
+impl SessionHandle {
+    /// Describes a session returned by `create`.
+    pub fn new(id: SessionId, state: SessionState, generation: Generation, created: bool) -> Self {
+        Self {
+            id,
+            state,
+            generation,
+            created,
+        }
+    }
+}
+
+/// How a workspace is provisioned at create.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WorkspaceSeed {
+    /// Clone a git repository into the workspace.
+    GitClone {
+        /// The repository URL, as `git clone` accepts it.
+        url: String,
+        /// A branch or tag to check out; the remote's default when `None`.
+        reference: Option<String>,
+    },
+}
+
+/// Per-call options of `create`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CreateOptions {
+    /// How to provision the workspace; empty when `None`.
+    pub workspace_seed: Option<WorkspaceSeed>,
+}
+
+impl CreateOptions {
+    /// Options with an empty workspace.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Seeds the workspace.
+    pub fn with_workspace_seed(mut self, seed: WorkspaceSeed) -> Self {
+        self.workspace_seed = Some(seed);
+        self
+    }
+}
+
+/// What one `reconcile` pass found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReconcileReport {
+    /// Workers that were killed because no record said they should run (stale generation, a
+    /// session suspended or closed while its worker survived, or no record at all).
+    pub killed_workers: Vec<(SessionId, String)>,
+    /// Sessions whose interrupted close was finished.
+    pub finished_closes: Vec<SessionId>,
+    /// Sessions suspended for being idle past the TTL.
+    pub suspended_idle: Vec<SessionId>,
+    /// Closed sessions whose retained storage expired and was deleted.
+    pub expired_storage: Vec<SessionId>,
+    /// Problems that did not stop the pass; the next pass retries them.
+    pub errors: Vec<String>,
+}
+
+impl ReconcileReport {
+    /// Whether the pass found nothing to do and nothing went wrong.
+    pub fn is_clean(&self) -> bool {
+        self.killed_workers.is_empty()
+            && self.finished_closes.is_empty()
+            && self.suspended_idle.is_empty()
+            && self.expired_storage.is_empty()
+            && self.errors.is_empty()
+    }
+}
+
+/// How strongly sessions are separated from each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum IsolationLevel {
+    /// None: every session can read and write every other session's files.
+    None,
+    /// Kernel namespaces and filesystem restrictions on a shared kernel.
+    Namespaces,
+    /// A separate Pod (namespaces, cgroup, network identity, own volume).
+    Pod,
+    /// A separate virtual machine.
+    MicroVm,
+}
+
+display_as_serde_name!(IsolationLevel { None => "none", Namespaces => "namespaces", Pod => "pod", MicroVm => "microvm" });
+
+/// What a runtime can do, declared once as data. Callers and the conformance suite branch on it;
+/// an operation outside it returns [`Error::Unsupported`](crate::Error::Unsupported).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// How strongly sessions are separated.
+    pub isolation: IsolationLevel,
+    /// Whether storage survives suspend and worker replacement.
+    pub persistent_storage: bool,
+    /// Whether workers keep running when the broker process restarts, so a new broker can re-attach.
+    pub survives_broker_restart: bool,
+    /// Whether re-attaching to a live worker replays output the previous attachment did not read.
+    pub replay_on_reattach: bool,
+    /// The longest a worker may live before the platform ends it, if bounded.
+    pub max_lifetime: Option<Duration>,
+}
+
+impl Capabilities {
+    /// Capabilities of a runtime that isolates nothing and keeps nothing; backends start here and
+    /// set what they provide.
+    pub const fn minimal() -> Self {
+        Self {
+            isolation: IsolationLevel::None,
+            persistent_storage: false,
+            survives_broker_restart: false,
+            replay_on_reattach: false,
+            max_lifetime: None,
+        }
+    }
+
+    /// Sets the isolation level.
+    pub const fn with_isolation(mut self, isolation: IsolationLevel) -> Self {
+        self.isolation = isolation;
+        self
+    }
+
+    /// Declares persistent storage.
+    pub const fn with_persistent_storage(mut self, yes: bool) -> Self {
+        self.persistent_storage = yes;
+        self
+    }
+
+    /// Declares that workers survive a broker restart.
+    pub const fn with_survives_broker_restart(mut self, yes: bool) -> Self {
+        self.survives_broker_restart = yes;
+        self
+    }
+
+    /// Declares replay on re-attach.
+    pub const fn with_replay_on_reattach(mut self, yes: bool) -> Self {
+        self.replay_on_reattach = yes;
+        self
+    }
+
+    /// Declares a maximum worker lifetime.
+    pub const fn with_max_lifetime(mut self, max: Option<Duration>) -> Self {
+        self.max_lifetime = max;
+        self
+    }
+}

@@ -1,0 +1,642 @@
+//! Parsing and validation of the `[session_runtime]` configuration section.
+
+use std::path::Path;
+use std::time::Duration;
+
+use session_runtime::config::{
+    AgentCoreConfig, KubernetesConfig, NetworkMode, Reach, ReadonlyMount, ResourceLimits, RuntimeKind,
+    SandboxMode, SessionRuntimeConfig,
+};
+use session_runtime::{Error, Retention, RetentionPolicy};
+
+/// The example of DESIGN.md section 3, verbatim.
+const DESIGN_EXAMPLE: &str = r#"
+[session_runtime]
+type = "local"                # local | kubernetes | agentcore; default local
+installation = "prod-bot"
+idle_ttl = "30m"
+[session_runtime.retention]
+reset = "delete"
+ended = "delete"
+retain_for = "7d"
+[session_runtime.local]
+root = "/var/lib/openab/sessions"
+sandbox = "auto"              # auto | bubblewrap | landlock | none
+network = "host"              # host | none
+readonly = ["/opt/openab/skills:/skills"]
+[session_runtime.kubernetes]
+namespace = "openab-sessions"
+profile = "isolated-worker"   # names a cluster-owned profile; the broker cannot change it
+reach = "pod-ip"              # pod-ip | exec
+[session_runtime.agentcore]
+runtime_arn = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example"
+region = "us-east-1"
+"#;
+
+const MINUTE: u64 = 60;
+const HOUR: u64 = 60 * MINUTE;
+const DAY: u64 = 24 * HOUR;
+
+/// The key and reason of an `InvalidConfig` error; panics on any other outcome.
+#[track_caller]
+fn invalid_config(result: Result<SessionRuntimeConfig, Error>) -> (String, String) {
+    match result {
+        Err(Error::InvalidConfig { key, reason }) => (key, reason),
+        Err(other) => panic!("expected InvalidConfig, got {other:?}"),
+        Ok(config) => panic!("expected InvalidConfig, got {config:?}"),
+    }
+}
+
+/// Asserts that `section` (a section body) fails with `InvalidConfig` for exactly `key`, and
+/// returns the reason.
+#[track_caller]
+fn section_error(section: &str, key: &str) -> String {
+    let (got, reason) = invalid_config(SessionRuntimeConfig::from_toml_section(section));
+    assert_eq!(got, key, "reason: {reason}");
+    assert!(!reason.is_empty());
+    reason
+}
+
+/// Asserts that `document` (a whole file) fails with `InvalidConfig` for exactly `key`, and
+/// returns the reason.
+#[track_caller]
+fn document_error(document: &str, key: &str) -> String {
+    let (got, reason) = invalid_config(SessionRuntimeConfig::from_toml_document(document));
+    assert_eq!(got, key, "reason: {reason}");
+    assert!(!reason.is_empty());
+    reason
+}
+
+#[test]
+fn empty_section_is_the_local_runtime_with_defaults() {
+    let config = SessionRuntimeConfig::from_toml_section("").unwrap();
+    assert_eq!(config, SessionRuntimeConfig::default());
+    assert_eq!(config.runtime, RuntimeKind::Local);
+    assert_eq!(config.installation, "openab");
+    assert_eq!(config.idle_ttl, Some(Duration::from_secs(30 * MINUTE)));
+    assert_eq!(config.retention, RetentionPolicy::default());
+    assert_eq!(config.retention.reset, Retention::Delete);
+    assert_eq!(config.retention.ended, Retention::Delete);
+    assert_eq!(config.retention.expired, Retention::Delete);
+    assert_eq!(config.retention.retain_for, None);
+    assert_eq!(config.local.root, None);
+    assert_eq!(config.local.sandbox, SandboxMode::Auto);
+    assert_eq!(config.local.network, NetworkMode::Host);
+    assert!(config.local.readonly.is_empty());
+    assert_eq!(config.local.home_template, None);
+    assert_eq!(config.local.limits, None);
+    assert_eq!(config.local.terminate_grace, Duration::from_secs(5));
+    assert_eq!(config.kubernetes, None);
+    assert_eq!(config.agentcore, None);
+    config.validate().unwrap();
+}
+
+#[test]
+fn document_without_the_section_is_the_default() {
+    let config = SessionRuntimeConfig::from_toml_document("").unwrap();
+    assert_eq!(config, SessionRuntimeConfig::default());
+    let config = SessionRuntimeConfig::from_toml_document("[agent]\ncommand = \"kiro-cli\"\n").unwrap();
+    assert_eq!(config, SessionRuntimeConfig::default());
+    let config = SessionRuntimeConfig::from_toml_document("[session_runtime]\n").unwrap();
+    assert_eq!(config, SessionRuntimeConfig::default());
+}
+
+#[test]
+fn design_example_parses_to_the_expected_values() {
+    let config = SessionRuntimeConfig::from_toml_document(DESIGN_EXAMPLE).unwrap();
+    assert_eq!(config.runtime, RuntimeKind::Local);
+    assert_eq!(config.installation, "prod-bot");
+    assert_eq!(config.idle_ttl, Some(Duration::from_secs(30 * MINUTE)));
+    assert_eq!(config.retention.reset, Retention::Delete);
+    assert_eq!(config.retention.ended, Retention::Delete);
+    assert_eq!(config.retention.expired, Retention::Delete);
+    assert_eq!(config.retention.retain_for, Some(Duration::from_secs(7 * DAY)));
+    assert_eq!(
+        config.local.root.as_deref(),
+        Some(Path::new("/var/lib/openab/sessions"))
+    );
+    assert_eq!(config.local.sandbox, SandboxMode::Auto);
+    assert_eq!(config.local.network, NetworkMode::Host);
+    assert_eq!(
+        config.local.readonly,
+        vec![ReadonlyMount::new("/opt/openab/skills", "/skills").unwrap()]
+    );
+    assert_eq!(config.local.readonly[0].host(), Path::new("/opt/openab/skills"));
+    assert_eq!(config.local.readonly[0].target(), Path::new("/skills"));
+    assert_eq!(config.local.terminate_grace, Duration::from_secs(5));
+
+    let kubernetes = config.kubernetes.as_ref().unwrap();
+    assert_eq!(
+        kubernetes,
+        &KubernetesConfig::new("openab-sessions", "isolated-worker")
+    );
+    assert_eq!(kubernetes.reach, Reach::PodIp);
+    assert_eq!(kubernetes.start_timeout, Duration::from_secs(120));
+
+    let agentcore = config.agentcore.as_ref().unwrap();
+    assert_eq!(
+        agentcore.runtime_arn,
+        "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example"
+    );
+    assert_eq!(agentcore.region.as_deref(), Some("us-east-1"));
+    assert_eq!(agentcore.qualifier, None);
+    assert_eq!(agentcore.effective_region(), Some("us-east-1"));
+    assert_eq!(agentcore.effective_qualifier(), "DEFAULT");
+}
+
+#[test]
+fn whole_document_ignores_other_tables() {
+    let document = format!(
+        r#"
+[agent]
+command = "kiro-cli"
+args = ["acp", "--trust-all-tools"]
+working_dir = "/home/agent"
+whatever = {{ nested = 1 }}
+
+[discord]
+bot_token = "${{DISCORD_TOKEN}}"
+allowed_channels = ["1"]
+
+[pool]
+max_sessions = 10
+{DESIGN_EXAMPLE}
+[reactions]
+enabled = true
+"#
+    );
+    let config = SessionRuntimeConfig::from_toml_document(&document).unwrap();
+    assert_eq!(
+        config,
+        SessionRuntimeConfig::from_toml_document(DESIGN_EXAMPLE).unwrap()
+    );
+}
+
+#[test]
+fn section_and_document_agree() {
+    let section = r#"
+type = "kubernetes"
+installation = "staging"
+idle_ttl = "4h"
+[retention]
+ended = "retain"
+expired = "retain"
+retain_for = "90s"
+[local]
+sandbox = "bubblewrap"
+network = "none"
+home_template = "/etc/openab/home"
+terminate_grace = "1h30m"
+[local.limits]
+memory = "2Gi"
+pids = 512
+cpu = 1.5
+[kubernetes]
+namespace = "sessions"
+profile = "worker"
+reach = "exec"
+start_timeout = "5m"
+"#;
+    let from_section = SessionRuntimeConfig::from_toml_section(section).unwrap();
+    let document = section
+        .replace("[retention]", "[session_runtime.retention]")
+        .replace("[local]", "[session_runtime.local]")
+        .replace("[local.limits]", "[session_runtime.local.limits]")
+        .replace("[kubernetes]", "[session_runtime.kubernetes]");
+    let from_document =
+        SessionRuntimeConfig::from_toml_document(&format!("[session_runtime]\n{document}")).unwrap();
+    assert_eq!(from_section, from_document);
+
+    let config = from_section;
+    assert_eq!(config.runtime, RuntimeKind::Kubernetes);
+    assert_eq!(config.installation, "staging");
+    assert_eq!(config.idle_ttl, Some(Duration::from_secs(4 * HOUR)));
+    assert_eq!(config.retention.reset, Retention::Delete);
+    assert_eq!(config.retention.ended, Retention::Retain);
+    assert_eq!(config.retention.expired, Retention::Retain);
+    assert_eq!(config.retention.retain_for, Some(Duration::from_secs(90)));
+    assert_eq!(config.local.sandbox, SandboxMode::Bubblewrap);
+    assert_eq!(config.local.network, NetworkMode::None);
+    assert_eq!(
+        config.local.home_template.as_deref(),
+        Some(Path::new("/etc/openab/home"))
+    );
+    assert_eq!(
+        config.local.terminate_grace,
+        Duration::from_secs(HOUR + 30 * MINUTE)
+    );
+    let limits = config.local.limits.as_ref().unwrap();
+    assert_eq!(limits.memory, Some(2 * 1024 * 1024 * 1024));
+    assert_eq!(limits.pids, Some(512));
+    assert_eq!(limits.cpu, Some(1.5));
+    let kubernetes = config.kubernetes.as_ref().unwrap();
+    assert_eq!(kubernetes.namespace, "sessions");
+    assert_eq!(kubernetes.profile, "worker");
+    assert_eq!(kubernetes.reach, Reach::Exec);
+    assert_eq!(kubernetes.start_timeout, Duration::from_secs(5 * MINUTE));
+}
+
+#[test]
+fn durations_parse_to_the_right_values() {
+    for (text, seconds) in [
+        ("30m", 30 * MINUTE),
+        ("4h", 4 * HOUR),
+        ("7d", 7 * DAY),
+        ("90s", 90),
+        ("1h30m", HOUR + 30 * MINUTE),
+        ("1h 30m", HOUR + 30 * MINUTE),
+    ] {
+        let section = format!("idle_ttl = \"{text}\"\n[retention]\nretain_for = \"{text}\"\n");
+        let config = SessionRuntimeConfig::from_toml_section(&section).unwrap();
+        assert_eq!(config.idle_ttl, Some(Duration::from_secs(seconds)), "{text}");
+        assert_eq!(
+            config.retention.retain_for,
+            Some(Duration::from_secs(seconds)),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn zero_idle_ttl_disables_idle_suspension() {
+    for zero in ["0", "0s", "0m"] {
+        let config = SessionRuntimeConfig::from_toml_section(&format!("idle_ttl = \"{zero}\"")).unwrap();
+        assert_eq!(config.idle_ttl, None, "{zero}");
+    }
+}
+
+#[test]
+fn bad_durations_name_the_key() {
+    for bad in ["soon", "", "-5m", "5", "30 minutes please"] {
+        let reason = section_error(&format!("idle_ttl = \"{bad}\""), "session_runtime.idle_ttl");
+        assert!(reason.contains("expected a duration"), "{reason}");
+        let reason = section_error(
+            &format!("[retention]\nretain_for = \"{bad}\""),
+            "session_runtime.retention.retain_for",
+        );
+        assert!(reason.contains("expected a duration"), "{reason}");
+        document_error(
+            &format!("[session_runtime.local]\nterminate_grace = \"{bad}\""),
+            "session_runtime.local.terminate_grace",
+        );
+        document_error(
+            &format!("[session_runtime.kubernetes]\nstart_timeout = \"{bad}\""),
+            "session_runtime.kubernetes.start_timeout",
+        );
+    }
+    let reason = document_error(
+        "[session_runtime]\nidle_ttl = \"soon\"\n",
+        "session_runtime.idle_ttl",
+    );
+    assert!(reason.contains("\"soon\""), "{reason}");
+    assert!(reason.contains("line 2"), "{reason}");
+}
+
+#[test]
+fn wrong_types_name_the_key() {
+    section_error("idle_ttl = 5", "session_runtime.idle_ttl");
+    section_error("installation = 7", "session_runtime.installation");
+    section_error("type = true", "session_runtime.type");
+    section_error("local = \"yes\"", "session_runtime.local");
+    section_error("[local]\nroot = 5", "session_runtime.local.root");
+    section_error("[local]\nreadonly = \"/a:/b\"", "session_runtime.local.readonly");
+    section_error("[local.limits]\npids = -1", "session_runtime.local.limits.pids");
+    section_error(
+        "[local.limits]\ncpu = \"lots\"",
+        "session_runtime.local.limits.cpu",
+    );
+    section_error("[retention]\nreset = 1", "session_runtime.retention.reset");
+    document_error("session_runtime = 3", "session_runtime");
+}
+
+#[test]
+fn unknown_keys_name_the_full_path() {
+    let reason = section_error("idle_tll = \"30m\"", "session_runtime.idle_tll");
+    assert!(
+        reason.contains("idle_ttl"),
+        "the accepted keys are listed: {reason}"
+    );
+    section_error("[local]\nsandbx = \"auto\"", "session_runtime.local.sandbx");
+    section_error(
+        "[local.limits]\nswap = \"1Gi\"",
+        "session_runtime.local.limits.swap",
+    );
+    section_error(
+        "[retention]\nsuspended = \"retain\"",
+        "session_runtime.retention.suspended",
+    );
+    section_error(
+        "type = \"kubernetes\"\n[kubernetes]\nnamespace = \"a\"\nprofile = \"b\"\nimage = \"evil\"",
+        "session_runtime.kubernetes.image",
+    );
+    section_error(
+        "[agentcore]\nruntime_arn = \"x\"\nendpoint_url = \"y\"",
+        "session_runtime.agentcore.endpoint_url",
+    );
+    section_error("[docker]\nimage = \"x\"", "session_runtime.docker");
+
+    let reason = document_error(
+        "[session_runtime]\ntype = \"local\"\nsandbox = \"none\"\n",
+        "session_runtime.sandbox",
+    );
+    assert!(reason.contains("line 3"), "{reason}");
+    let reason = document_error(
+        "[session_runtime.local]\nsandbx = \"auto\"\n",
+        "session_runtime.local.sandbx",
+    );
+    assert!(
+        reason.contains("sandbox"),
+        "the accepted keys are listed: {reason}"
+    );
+}
+
+#[test]
+fn unknown_runtime_type_lists_the_valid_ones() {
+    let reason = section_error("type = \"docker\"", "session_runtime.type");
+    for valid in ["local", "kubernetes", "agentcore"] {
+        assert!(reason.contains(valid), "{reason}");
+    }
+    document_error("[session_runtime]\ntype = \"Local\"", "session_runtime.type");
+}
+
+#[test]
+fn every_runtime_type_parses() {
+    for kind in RuntimeKind::ALL {
+        let section = format!(
+            "type = \"{kind}\"\n[kubernetes]\nnamespace = \"a\"\nprofile = \"b\"\n[agentcore]\n\
+             runtime_arn = \"arn:aws:bedrock-agentcore:eu-west-1:123456789012:runtime/x\"\n"
+        );
+        assert_eq!(
+            SessionRuntimeConfig::from_toml_section(&section).unwrap().runtime,
+            kind
+        );
+        assert_eq!(kind.to_string(), kind.as_str());
+    }
+}
+
+#[test]
+fn bad_enum_values_name_the_key() {
+    let reason = section_error("[local]\nsandbox = \"firejail\"", "session_runtime.local.sandbox");
+    for valid in ["auto", "bubblewrap", "landlock", "none"] {
+        assert!(reason.contains(valid), "{reason}");
+    }
+    section_error("[local]\nnetwork = \"bridge\"", "session_runtime.local.network");
+    section_error(
+        "[kubernetes]\nnamespace = \"a\"\nprofile = \"b\"\nreach = \"port-forward\"",
+        "session_runtime.kubernetes.reach",
+    );
+    section_error(
+        "[retention]\nended = \"archive\"",
+        "session_runtime.retention.ended",
+    );
+}
+
+#[test]
+fn every_sandbox_and_network_value_parses() {
+    for (text, mode) in [
+        ("auto", SandboxMode::Auto),
+        ("bubblewrap", SandboxMode::Bubblewrap),
+        ("landlock", SandboxMode::Landlock),
+        ("none", SandboxMode::None),
+    ] {
+        let config =
+            SessionRuntimeConfig::from_toml_section(&format!("[local]\nsandbox = \"{text}\"")).unwrap();
+        assert_eq!(config.local.sandbox, mode);
+        assert_eq!(mode.as_str(), text);
+    }
+    let config = SessionRuntimeConfig::from_toml_section("[local]\nnetwork = \"none\"").unwrap();
+    assert_eq!(config.local.network, NetworkMode::None);
+}
+
+#[test]
+fn readonly_mounts_must_be_two_absolute_paths() {
+    let reason = section_error(
+        "[local]\nreadonly = [\"skills:/skills\"]",
+        "session_runtime.local.readonly",
+    );
+    assert!(reason.contains("not absolute"), "{reason}");
+    let reason = section_error(
+        "[local]\nreadonly = [\"/a:/a\", \"/opt/skills:skills\"]",
+        "session_runtime.local.readonly",
+    );
+    assert!(reason.contains("entry 2"), "{reason}");
+    for bad in [
+        "/opt/skills",
+        "/a:/b:rw",
+        "/a:/b:ro",
+        "",
+        "/a:",
+        ":/b",
+        "/a/../etc:/b",
+        "/a:/",
+        "/a:/b/./c",
+    ] {
+        section_error(
+            &format!("[local]\nreadonly = [\"{bad}\"]"),
+            "session_runtime.local.readonly",
+        );
+    }
+    section_error(
+        "[local]\nreadonly = [\"/a:/x\", \"/b:/x\"]",
+        "session_runtime.local.readonly",
+    );
+    section_error(
+        "[local]\nsandbox = \"none\"\nreadonly = [\"/a:/x\"]",
+        "session_runtime.local.readonly",
+    );
+
+    let (key, _) = match ReadonlyMount::new("relative", "/x") {
+        Err(Error::InvalidConfig { key, reason }) => (key, reason),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(key, "session_runtime.local.readonly");
+    let mount = ReadonlyMount::new("/opt/openab/skills", "/skills").unwrap();
+    assert_eq!(mount.to_string(), "/opt/openab/skills:/skills");
+}
+
+#[test]
+fn local_paths_must_be_absolute() {
+    section_error("[local]\nroot = \"sessions\"", "session_runtime.local.root");
+    section_error(
+        "[local]\nhome_template = \"./home\"",
+        "session_runtime.local.home_template",
+    );
+}
+
+#[test]
+fn network_none_needs_a_sandbox() {
+    section_error(
+        "[local]\nsandbox = \"none\"\nnetwork = \"none\"",
+        "session_runtime.local.network",
+    );
+}
+
+#[test]
+fn missing_backend_table_names_it() {
+    let reason = section_error("type = \"kubernetes\"", "session_runtime.kubernetes");
+    assert!(reason.contains("[session_runtime.kubernetes]"), "{reason}");
+    document_error(
+        "[session_runtime]\ntype = \"agentcore\"\n",
+        "session_runtime.agentcore",
+    );
+}
+
+#[test]
+fn kubernetes_required_keys_and_names() {
+    section_error(
+        "type = \"kubernetes\"\n[kubernetes]\nprofile = \"worker\"",
+        "session_runtime.kubernetes.namespace",
+    );
+    section_error(
+        "type = \"kubernetes\"\n[kubernetes]\nnamespace = \"ns\"",
+        "session_runtime.kubernetes.profile",
+    );
+    section_error(
+        "[kubernetes]\nnamespace = \"Open_AB\"\nprofile = \"worker\"",
+        "session_runtime.kubernetes.namespace",
+    );
+    section_error(
+        "[kubernetes]\nnamespace = \"ns\"\nprofile = \"Worker Profile\"",
+        "session_runtime.kubernetes.profile",
+    );
+    section_error(
+        "[kubernetes]\nnamespace = \"ns\"\nprofile = \"w\"\nstart_timeout = \"0s\"",
+        "session_runtime.kubernetes.start_timeout",
+    );
+}
+
+#[test]
+fn agentcore_arn_region_and_qualifier_are_checked() {
+    let reason = section_error(
+        "type = \"agentcore\"\n[agentcore]\nruntime_arn = \"arn:aws:lambda:us-east-1:123456789012:function/x\"",
+        "session_runtime.agentcore.runtime_arn",
+    );
+    assert!(reason.contains("bedrock-agentcore"), "{reason}");
+    section_error(
+        "type = \"agentcore\"\n[agentcore]\nregion = \"us-east-1\"",
+        "session_runtime.agentcore.runtime_arn",
+    );
+    section_error(
+        "[agentcore]\nruntime_arn = \"arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/x\"\nregion = \"eu-west-1\"",
+        "session_runtime.agentcore.region",
+    );
+    section_error(
+        "[agentcore]\nruntime_arn = \"arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/x\"\nqualifier = \"a b\"",
+        "session_runtime.agentcore.qualifier",
+    );
+    let config = SessionRuntimeConfig::from_toml_section(
+        "type = \"agentcore\"\n[agentcore]\n\
+         runtime_arn = \"arn:aws:bedrock-agentcore:eu-west-1:123456789012:runtime/my_agent-AbC123\"\n\
+         qualifier = \"prod\"",
+    )
+    .unwrap();
+    let agentcore = config.agentcore.unwrap();
+    assert_eq!(agentcore.effective_region(), Some("eu-west-1"));
+    assert_eq!(agentcore.effective_qualifier(), "prod");
+}
+
+#[test]
+fn bad_installation_names_the_key() {
+    for bad in [
+        "",
+        "Prod",
+        "prod_bot",
+        "-prod",
+        "prod-",
+        "prod.bot",
+        "a very long name",
+        &"a".repeat(64),
+    ] {
+        section_error(
+            &format!("installation = \"{bad}\""),
+            "session_runtime.installation",
+        );
+    }
+    for good in ["prod-bot", "a", "0", &"a".repeat(63)] {
+        let config = SessionRuntimeConfig::from_toml_section(&format!("installation = \"{good}\"")).unwrap();
+        assert_eq!(config.installation, good);
+    }
+}
+
+#[test]
+fn memory_sizes() {
+    for (text, bytes) in [
+        ("\"2Gi\"", 2u64 << 30),
+        ("\"512Mi\"", 512 << 20),
+        ("\"1G\"", 1_000_000_000),
+        ("\"1.5Gi\"", 3 << 29),
+        ("1048576", 1 << 20),
+    ] {
+        let config =
+            SessionRuntimeConfig::from_toml_section(&format!("[local.limits]\nmemory = {text}")).unwrap();
+        assert_eq!(config.local.limits.unwrap().memory, Some(bytes), "{text}");
+    }
+    for bad in [
+        "\"lots\"", "\"2GB\"", "\"-1Gi\"", "\"0\"", "0", "-5", "\"\"", "\"1 Gi\"", "true",
+    ] {
+        let reason = section_error(
+            &format!("[local.limits]\nmemory = {bad}"),
+            "session_runtime.local.limits.memory",
+        );
+        assert!(reason.contains("byte size"), "{bad}: {reason}");
+    }
+}
+
+#[test]
+fn limit_ranges_are_checked() {
+    section_error("[local.limits]\npids = 0", "session_runtime.local.limits.pids");
+    section_error("[local.limits]\ncpu = 0", "session_runtime.local.limits.cpu");
+    section_error("[local.limits]\ncpu = -1.0", "session_runtime.local.limits.cpu");
+    section_error("[local.limits]\ncpu = nan", "session_runtime.local.limits.cpu");
+    let config = SessionRuntimeConfig::from_toml_section("[local.limits]\ncpu = 2").unwrap();
+    assert_eq!(config.local.limits.unwrap().cpu, Some(2.0));
+    let config = SessionRuntimeConfig::from_toml_section("[local.limits]").unwrap();
+    assert_eq!(config.local.limits, Some(ResourceLimits::default()));
+}
+
+#[test]
+fn syntax_errors_are_invalid_config_with_a_location() {
+    let reason = section_error("type = \"local\"\nidle_ttl = ", "session_runtime");
+    assert!(reason.contains("line 2"), "{reason}");
+    let reason = document_error("[agent]\ncommand = \"x\"\n[session_runtime\n", "session_runtime");
+    assert!(reason.contains("line 3"), "{reason}");
+    document_error(
+        "[session_runtime]\ntype = \"local\"\ntype = \"local\"\n",
+        "session_runtime",
+    );
+}
+
+#[test]
+fn validate_checks_programmatic_configs() {
+    let mut config = SessionRuntimeConfig::default();
+    config.runtime = RuntimeKind::Kubernetes;
+    let (key, _) = invalid_config(config.validate().map(|()| SessionRuntimeConfig::default()));
+    assert_eq!(key, "session_runtime.kubernetes");
+    config.kubernetes = Some(KubernetesConfig::new("ns", "worker"));
+    config.validate().unwrap();
+    config.agentcore = Some(AgentCoreConfig::new("nonsense"));
+    let (key, _) = invalid_config(config.validate().map(|()| SessionRuntimeConfig::default()));
+    assert_eq!(key, "session_runtime.agentcore.runtime_arn");
+}
+
+#[test]
+fn serialization_round_trips() {
+    let mut full = SessionRuntimeConfig::from_toml_document(DESIGN_EXAMPLE).unwrap();
+    full.idle_ttl = None;
+    full.retention.expired = Retention::Retain;
+    let mut limits = ResourceLimits::default();
+    limits.memory = Some(3 << 29);
+    limits.pids = Some(64);
+    limits.cpu = Some(0.5);
+    full.local.limits = Some(limits);
+    full.local.home_template = Some("/etc/openab/home".into());
+    full.local.terminate_grace = Duration::from_millis(1500);
+    for config in [SessionRuntimeConfig::default(), full] {
+        let text = toml::to_string(&config).unwrap();
+        assert_eq!(
+            SessionRuntimeConfig::from_toml_section(&text).unwrap(),
+            config,
+            "{text}"
+        );
+    }
+}

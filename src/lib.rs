@@ -1,0 +1,88 @@
+//! OpenAB session runtimes: one isolated runtime per chat thread, chosen by configuration.
+//!
+//! This is the package openab-core depends on. It re-exports the contract from
+//! [`session_runtime`] and builds an `Arc<dyn SessionRuntime>` from the `[session_runtime]`
+//! section of OpenAB's configuration with [`from_config`].
+//!
+//! # Feature flags
+//!
+//! | feature | default | backend |
+//! |---|---|---|
+//! | `local` | yes | `runtime-local`: child processes, plain or sandboxed |
+//! | `kubernetes` | no | `runtime-kubernetes`: one Pod and volume per session |
+//! | `agentcore` | no | `runtime-agentcore`: one AgentCore microVM per session |
+//!
+//! Selecting a backend whose feature is not compiled in is an [`Error::InvalidConfig`] naming the
+//! feature, never a silent fallback.
+//!
+//! # Example
+//!
+//! ```
+//! use openab_runtime::{config::SessionRuntimeConfig, Error};
+//!
+//! let config = SessionRuntimeConfig::from_toml_document(
+//!     r#"
+//!     [agent]
+//!     command = "claude-agent-acp"
+//!
+//!     [session_runtime]
+//!     type = "agentcore"
+//!     [session_runtime.agentcore]
+//!     runtime_arn = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example"
+//!     "#,
+//! )?;
+//! # #[cfg(not(feature = "agentcore"))]
+//! match openab_runtime::from_config(&config, &openab_runtime::AgentCommand::new("claude-agent-acp")) {
+//!     Err(Error::InvalidConfig { key, reason }) => {
+//!         assert_eq!(key, "session_runtime.type");
+//!         assert!(reason.contains("`agentcore`"));
+//!     }
+//!     other => panic!("{other:?}"),
+//! }
+//! # Ok::<(), Error>(())
+//! ```
+
+use std::sync::Arc;
+
+pub use session_runtime::*;
+
+use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
+
+/// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
+///
+/// # Errors
+/// - [`Error::InvalidConfig`] naming `session_runtime.type` if the selected backend's cargo
+///   feature is not compiled into this build, or the backend is not available yet in this version.
+/// - Whatever the backend's own validation reports, as [`Error::InvalidConfig`] naming the key.
+pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Result<Arc<dyn SessionRuntime>> {
+    config.validate()?;
+    let kind = config.runtime;
+    let _ = agent;
+    if !compiled_in(kind) {
+        return Err(Error::InvalidConfig {
+            key: "session_runtime.type".into(),
+            reason: format!(
+                "the {kind} runtime is not compiled into this build; enable the `{kind}` cargo feature of openab-runtime"
+            ),
+        });
+    }
+    Err(Error::InvalidConfig {
+        key: "session_runtime.type".into(),
+        reason: format!(
+            "the {kind} runtime is not available yet in openab-runtime {}",
+            env!("CARGO_PKG_VERSION")
+        ),
+    })
+}
+
+/// Whether the backend for `kind` is compiled into this build.
+// With every feature on, clippy sees a `matches!`; the arms differ per build.
+#[allow(clippy::match_like_matches_macro)]
+pub fn compiled_in(kind: RuntimeKind) -> bool {
+    match kind {
+        RuntimeKind::Local => cfg!(feature = "local"),
+        RuntimeKind::Kubernetes => cfg!(feature = "kubernetes"),
+        RuntimeKind::Agentcore => cfg!(feature = "agentcore"),
+        _ => false,
+    }
+}
