@@ -9,7 +9,8 @@ use session_runtime::testing::FakeRuntime;
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let runtime = Arc::new(FakeRuntime::builder().build()?);
-    let target = Target::new(Arc::<FakeRuntime>::clone(&runtime), runtime.installation()).with_faults(runtime);
+    let target =
+        Target::new(Arc::<FakeRuntime>::clone(&runtime), runtime.installation()).with_faults(runtime);
     let report = run_all(&target).await;
     for behaviour in &report.passed {
         println!("pass  {behaviour}");
