@@ -1,0 +1,1 @@
+//! The isolation acceptance suite (being built).

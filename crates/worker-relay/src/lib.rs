@@ -1,0 +1,1 @@
+//! The worker relay (being built): protocol, server and client.
