@@ -111,7 +111,8 @@ impl RetentionPolicy {
 
 /// How long a closed session's retained storage is kept (see
 /// [`RetentionPolicy::retained_until`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum RetainedUntil {
     /// Kept until an operator deletes it; `reconcile` never deletes it.
     Forever,

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::SessionId;
+use crate::{RetainedUntil, SessionId};
 
 /// A worker generation. Every worker start increments the session's generation first, and a
 /// stream, connection or worker of an older generation is fenced.
@@ -122,11 +122,10 @@ impl SessionState {
 pub enum StorageState {
     /// Storage exists and belongs to the live session.
     Present,
-    /// The session is closed and its storage is kept, until the given time or, with `None`,
-    /// until an operator removes it.
+    /// The session is closed and its storage is kept for the time its retention policy says.
     Retained {
         /// When `reconcile` may delete it.
-        until: Option<SystemTime>,
+        until: RetainedUntil,
     },
     /// The storage was deleted.
     Deleted,

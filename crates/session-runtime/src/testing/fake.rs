@@ -12,9 +12,9 @@ use tokio::task::AbortHandle;
 use crate::conformance::FaultInjector;
 use crate::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, ExitCell, Fence,
-    FenceTrigger, Generation, IsolationLevel, ReconcileReport, Result, Retention, RetentionPolicy,
-    SessionHandle, SessionId, SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState,
-    SuspendReason, WorkerControl, WorkerExit, WorkerInfo, WorkspaceSeed,
+    FenceTrigger, Generation, IsolationLevel, ReconcileReport, Result, RetentionPolicy, SessionHandle,
+    SessionId, SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState, SuspendReason,
+    WorkerControl, WorkerExit, WorkerInfo, WorkspaceSeed,
 };
 
 const RUNTIME: &str = "fake";
@@ -161,19 +161,16 @@ impl FakeRuntime {
     }
 
     fn apply_retention(&self, record: &mut Record, reason: CloseReason, now: SystemTime) -> Result<()> {
-        match self.retention.for_reason(reason) {
-            Retention::Delete => {
+        record.status.storage = match self.retention.retained_until(reason, now) {
+            Some(until) => StorageState::Retained { until },
+            None => {
                 if record.storage.exists() {
                     std::fs::remove_dir_all(&record.storage)
                         .map_err(|e| Error::backend(RUNTIME, true, "deleting session storage", e))?;
                 }
-                record.status.storage = StorageState::Deleted;
+                StorageState::Deleted
             }
-            Retention::Retain => {
-                let until = self.retention.retain_for.map(|keep| now + keep);
-                record.status.storage = StorageState::Retained { until };
-            }
-        }
+        };
         Ok(())
     }
 
@@ -429,8 +426,8 @@ impl SessionRuntime for FakeRuntime {
                 }
             } else if state == SessionState::Closed {
                 let mut record = slot.record.lock();
-                if let StorageState::Retained { until: Some(until) } = record.status.storage {
-                    if until <= now {
+                if let StorageState::Retained { until } = record.status.storage {
+                    if until.has_passed(now) {
                         match std::fs::remove_dir_all(&record.storage) {
                             Ok(()) => {
                                 record.status.storage = StorageState::Deleted;
