@@ -46,6 +46,9 @@ use std::sync::Arc;
 
 pub use session_runtime::*;
 
+#[cfg(feature = "local")]
+pub use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
+
 use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 
 /// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
@@ -57,7 +60,6 @@ use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Result<Arc<dyn SessionRuntime>> {
     config.validate()?;
     let kind = config.runtime;
-    let _ = agent;
     if !compiled_in(kind) {
         return Err(Error::InvalidConfig {
             key: "session_runtime.type".into(),
@@ -66,13 +68,19 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
             ),
         });
     }
-    Err(Error::InvalidConfig {
-        key: "session_runtime.type".into(),
-        reason: format!(
-            "the {kind} runtime is not available yet in openab-runtime {}",
-            env!("CARGO_PKG_VERSION")
-        ),
-    })
+    match kind {
+        #[cfg(feature = "local")]
+        RuntimeKind::Local => Ok(Arc::new(
+            runtime_local::LocalRuntimeBuilder::from_config(config, agent.clone()).build()?,
+        )),
+        _ => Err(Error::InvalidConfig {
+            key: "session_runtime.type".into(),
+            reason: format!(
+                "the {kind} runtime is not available yet in openab-runtime {}",
+                env!("CARGO_PKG_VERSION")
+            ),
+        }),
+    }
 }
 
 /// Whether the backend for `kind` is compiled into this build.

@@ -489,6 +489,21 @@ pub async fn write_completes_while_output_undrained(target: &Target) -> Verdict 
     Verdict::Passed
 }
 
+/// Runs `command` in the worker; on failure, says how the worker ended.
+async fn exec(client: &AcpClient, command: &str) -> crate::testing::ExecOutput {
+    match within("exec", client.exec(command)).await {
+        Ok(output) => output,
+        Err(error) => {
+            let control = client.control();
+            let exit = tokio::time::timeout(Duration::from_secs(5), control.wait()).await;
+            panic!(
+                "exec {command:?} failed: {error}; worker {} ended: {exit:?}",
+                control.worker_id()
+            )
+        }
+    }
+}
+
 fn serde_json_line(id: u64, method: &str, params: &str) -> String {
     format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"{method}","params":{params}}}"#)
 }
@@ -557,9 +572,7 @@ pub async fn close_applies_retention_by_reason(target: &Target) -> Verdict {
             .id;
         let client = target.client(&id).await;
         let control = client.control();
-        let wrote = within("exec", client.exec("echo before-close > close-marker"))
-            .await
-            .expect("exec");
+        let wrote = exec(&client, "echo before-close > close-marker").await;
         assert!(wrote.success(), "{wrote:?}");
         drop(client);
         within("close", target.runtime.close(&id, reason))
@@ -593,12 +606,7 @@ pub async fn close_applies_retention_by_reason(target: &Target) -> Verdict {
             .expect("re-create");
         assert!(again.created, "create after close must start a new session");
         let client = target.client(&id).await;
-        let probe = within(
-            "exec",
-            client.exec("test -e close-marker && echo present || echo absent"),
-        )
-        .await
-        .expect("exec");
+        let probe = exec(&client, "test -e close-marker && echo present || echo absent").await;
         assert_eq!(
             probe.stdout.trim(),
             "absent",

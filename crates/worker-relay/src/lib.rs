@@ -1,1 +1,105 @@
-//! The worker relay (being built): protocol, server and client.
+//! The worker relay: the in-worker entrypoint `oab-relay` and its resumable, fenced stream
+//! protocol, shared by the Kubernetes and AgentCore backends.
+//!
+//! # Overview
+//!
+//! ```text
+//!  broker                                         worker (Pod or microVM)
+//! ┌──────────────────────────┐   TCP / exec stdio   ┌──────────────────────────┐
+//! │ RelayClient ─▶ Attachment│ ◀──── WebSocket ───▶ │ oab-relay serve -- agent │
+//! │  (reconnects, resumes)   │   framed protocol    │  (spawns, buffers, fences)│
+//! └──────────────────────────┘                      └─────────┬────────────────┘
+//!                                                             │ stdin/stdout pipes
+//!                                                          agent (ACP)
+//! ```
+//!
+//! - [`server`]: [`Relay`] runs inside the worker. It starts the agent on the first valid
+//!   `hello`, keeps it alive across broker disconnects, numbers its output and keeps what no
+//!   broker acknowledged in a bounded buffer, replays it after a reconnect, drops duplicate broker
+//!   input, fences stale brokers, forwards signals, reaps children and reports the exit.
+//! - [`client`]: [`RelayClient`] turns any [`Connector`] (TCP, a command's stdio, a WebSocket)
+//!   into a contract [`Attachment`](session_runtime::Attachment) that reconnects and resumes
+//!   transparently.
+//! - [`protocol`]: frames, their encoding, the decoder and [`Sequencer`](protocol::Sequencer).
+//! - [`token`]: `HMAC-SHA256` tokens; the worker holds only their hash.
+//!
+//! # Protocol
+//!
+//! Length-prefixed binary frames: `version u8 (1) | type u8 | length u32 | payload` (big-endian,
+//! payload at most 1 MiB, rejected from the header alone if longer). The same bytes run over
+//! TCP, the `oab-relay connect` stdio bridge and WebSocket binary messages.
+//!
+//! | type | dir | payload | meaning |
+//! |---|---|---|---|
+//! | `1 hello` | B→R | generation u64, epoch u64, nonce u64, resume u64, token \[32\], session (u8 len) | first frame; resume = last output item held (0: all you have) |
+//! | `2 welcome` | R→B | generation u64, input_acked u64, output_first u64, pid u32, flags u8, working_dir (u16 len) | hello accepted |
+//! | `3 data` | both | seq u64, bytes | agent stdout (R→B) or stdin (B→R) |
+//! | `4 ack` | both | seq u64 | every item of the other side's stream up to seq received |
+//! | `5 eof` | both | seq u64 | stdout closed (R→B) / close stdin (B→R); sequenced |
+//! | `6 exit` | R→B | seq u64, kind u8 (0 code, 1 signal), value i32 | how the agent ended; last output item |
+//! | `7 ping` / `8 pong` | both | nonce u64 | heartbeat |
+//! | `9 signal` | B→R | signal u8 (15, 9, 2), grace_ms u32 | signal the agent's process group; SIGTERM escalates to SIGKILL after grace |
+//! | `10 error` | both | code u16, message (u16 len) | refusal or failure; the connection closes |
+//!
+//! Error codes ([`ErrorCode`]): 1 `bad-frame`, 2 `unsupported-version`, 3 `unexpected-frame`,
+//! 4 `out-of-order`, 5 `frame-too-large`, 6 `session-mismatch`, 7 `stale-generation`,
+//! 8 `bad-token`, 9 `stale-epoch`, 10 `replayed-hello`, 11 `resume-gap`, 12 `superseded`,
+//! 13 `spawn-failed`, 14 `handshake-timeout`, 15 `idle-timeout`, 16 `internal`. A refused
+//! connection never disturbs the current one.
+//!
+//! A hello is checked in this order: session, generation (`stale-generation`), token
+//! (`bad-token`), epoch (`stale-epoch` if older than the newest accepted), nonce (`replayed-hello`
+//! if it does not exceed the last accepted one of the same epoch), resume point (`resume-gap`). An
+//! accepted hello replaces the current connection, which is closed with `superseded`.
+//!
+//! # Tokens
+//!
+//! The broker derives `token = HMAC-SHA256(broker key, u8 len ‖ session id ‖ u64be generation)`
+//! ([`BrokerKey::token`]) and gives the worker only `SHA-256(token)` in hex, in the environment
+//! variable [`TOKEN_HASH_ENV`](token::TOKEN_HASH_ENV); the relay compares in constant time.
+//!
+//! # The binary
+//!
+//! ```text
+//! oab-relay serve [--listen ADDR]... [--http ADDR] [--session ID] [--generation N]
+//!                 [--workdir DIR] [--replay-bytes N] [--overflow block|discard]
+//!                 [--heartbeat 30s] [--linger 60s] [--term-grace 10s] -- <agent argv>
+//! oab-relay connect [ADDR]        # stdio <-> the local relay, for pods/exec
+//! ```
+//!
+//! `serve` reads `OAB_RELAY_SESSION`, `OAB_RELAY_GENERATION` and `OAB_RELAY_TOKEN_SHA256`
+//! (never passed on to the agent), listens on TCP port [`DEFAULT_PORT`](server::DEFAULT_PORT)
+//! unless told otherwise, and with `--http 0.0.0.0:8080` serves AgentCore's contract (`GET /ping`,
+//! WebSocket `/ws`, `POST /invocations`). It prints one `oab-relay: listening on <kind> <addr>`
+//! line per listener to stdout, forwards `SIGTERM`/`SIGINT` to the agent's process group, acts as
+//! a child subreaper and reaps every orphan, and exits with the agent's exit code (128 + signal
+//! for a signal, 127 if it could not be started).
+//!
+//! # Static binary
+//!
+//! The relay must run in a `FROM scratch` image, so build it statically linked:
+//!
+//! ```text
+//! RUSTFLAGS='-C target-feature=+crt-static' \
+//!     cargo build --release -p worker-relay --bin oab-relay --target x86_64-unknown-linux-gnu
+//! # -> target/x86_64-unknown-linux-gnu/release/oab-relay (static-pie, no dynamic loader)
+//! ```
+//!
+//! (`--target` keeps the flag away from build scripts and proc macros. With the musl target
+//! installed, `--target x86_64-unknown-linux-musl` works without `RUSTFLAGS`; for AgentCore's
+//! ARM64 use the `aarch64-*` triples.) The crate has no C dependencies, so either way the
+//! result needs nothing from the image. `tests/static_build.rs` checks it (ignored by default:
+//! it builds a release binary).
+
+pub mod client;
+mod error;
+pub mod protocol;
+pub mod server;
+pub mod token;
+pub mod transport;
+
+pub use client::{ClientConfig, RelayClient};
+pub use protocol::{ErrorCode, Frame, FrameError};
+pub use server::{Overflow, Relay, RelayConfig};
+pub use token::{BrokerKey, Token, TokenHash};
+pub use transport::{CommandConnector, Connector, TcpConnector, Transport, WebSocketConnector};

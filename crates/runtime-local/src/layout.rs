@@ -1,0 +1,78 @@
+//! Where a session's storage lives on the host: `root/<session id>/`.
+//!
+//! ```text
+//! root/
+//!   <session id>/          0700, the session's storage (one incarnation)
+//!     record.json          the durable session record (atomically replaced)
+//!     lock                 flock(2) target: held by the broker process that owns the session
+//!     workspace/           the agent's working directory
+//!     home/                the agent's HOME
+//!     state/               agent state the runtime keeps between generations
+//!     tmp/                 scratch space (private /tmp in sandboxed mode)
+//!   .retained/<id>.<n>/    storage of closed sessions kept by the retention policy
+//!   .trash/<id>.<n>/       storage being deleted (renamed here first, so deletion is atomic)
+//! ```
+//!
+//! Only a [`SessionId`] ever appears in these paths.
+
+use std::path::{Path, PathBuf};
+
+use session_runtime::SessionId;
+
+/// The host paths of one session's storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SessionDirs {
+    /// `root/<session id>`.
+    pub(crate) base: PathBuf,
+    /// The agent's working directory.
+    pub(crate) workspace: PathBuf,
+    /// The agent's HOME.
+    pub(crate) home: PathBuf,
+    /// Agent state kept between generations.
+    pub(crate) state: PathBuf,
+    /// Scratch space.
+    pub(crate) tmp: PathBuf,
+}
+
+impl SessionDirs {
+    /// The layout of `id`'s storage under `base`.
+    pub(crate) fn at(base: PathBuf) -> Self {
+        Self {
+            workspace: base.join("workspace"),
+            home: base.join("home"),
+            state: base.join("state"),
+            tmp: base.join("tmp"),
+            base,
+        }
+    }
+
+    /// The layout of `id`'s live storage under `root`.
+    pub(crate) fn live(root: &Path, id: &SessionId) -> Self {
+        Self::at(root.join(id.as_str()))
+    }
+
+    /// The session record.
+    pub(crate) fn record(&self) -> PathBuf {
+        self.base.join("record.json")
+    }
+
+    /// The lock file.
+    pub(crate) fn lock(&self) -> PathBuf {
+        self.base.join("lock")
+    }
+
+    /// The directories the agent may use, in creation order.
+    pub(crate) fn agent_dirs(&self) -> [&Path; 4] {
+        [&self.workspace, &self.home, &self.state, &self.tmp]
+    }
+}
+
+/// Where closed sessions' retained storage is kept.
+pub(crate) fn retained_dir(root: &Path) -> PathBuf {
+    root.join(".retained")
+}
+
+/// Where storage is moved before it is deleted.
+pub(crate) fn trash_dir(root: &Path) -> PathBuf {
+    root.join(".trash")
+}

@@ -1,0 +1,219 @@
+//! The durable session record: `root/<session id>/record.json`.
+//!
+//! It is the authority on a session's state and generation. It is replaced atomically (write a
+//! temporary file, fsync it, rename it over the record, fsync the directory), so a crash leaves
+//! either the old or the new record, never a torn one. A record read from disk is untrusted: it
+//! must parse, have a known version, and name the session whose directory it sits in; it never
+//! supplies a path.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use session_runtime::{
+    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionState, SessionStatus, StorageState,
+    SuspendReason, WorkerInfo,
+};
+
+use crate::process::ProcessRef;
+use crate::RUNTIME;
+
+/// The record format version this code writes and reads.
+const VERSION: u32 = 1;
+/// Records larger than this are not read (a record is a few hundred bytes).
+const MAX_RECORD_BYTES: u64 = 64 * 1024;
+
+/// Where a session is, including the provisioning step before it is usable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Phase {
+    /// `create` started provisioning; storage may be incomplete.
+    Provisioning,
+    /// A contract state.
+    #[serde(untagged)]
+    Session(SessionState),
+}
+
+/// The process running a session's worker, as recorded when it was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WorkerRecord {
+    /// The worker's generation.
+    pub(crate) generation: Generation,
+    /// The worker's top process (its process group leader); `None` between the launch intent
+    /// and the spawn.
+    pub(crate) process: Option<ProcessRef>,
+    /// The broker process that started it.
+    pub(crate) broker: ProcessRef,
+    /// When it was started.
+    pub(crate) started_at: SystemTime,
+}
+
+/// Evidence that a directory is the one this runtime created for the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DirEvidence {
+    pub(crate) dev: u64,
+    pub(crate) ino: u64,
+}
+
+impl DirEvidence {
+    pub(crate) fn of(path: &Path) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = fs::symlink_metadata(path)?;
+        Ok(Self {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}
+
+/// The durable record of one session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SessionRecord {
+    pub(crate) version: u32,
+    pub(crate) id: SessionId,
+    /// SHA-256 of the identity's canonical encoding: evidence of which identity the storage
+    /// belongs to, without keeping the raw thread id on disk.
+    pub(crate) identity_digest: String,
+    pub(crate) installation: String,
+    pub(crate) phase: Phase,
+    pub(crate) generation: Generation,
+    /// Counts creates of this id; storage of different incarnations is never shared.
+    pub(crate) incarnation: u64,
+    pub(crate) created_at: SystemTime,
+    pub(crate) last_activity: SystemTime,
+    pub(crate) suspend_reason: Option<SuspendReason>,
+    pub(crate) close_reason: Option<CloseReason>,
+    pub(crate) storage: StorageState,
+    pub(crate) evidence: DirEvidence,
+    pub(crate) uid: Option<u32>,
+    pub(crate) worker: Option<WorkerRecord>,
+}
+
+impl SessionRecord {
+    pub(crate) fn new(
+        identity: &SessionIdentity,
+        incarnation: u64,
+        generation: Generation,
+        evidence: DirEvidence,
+    ) -> Self {
+        let now = SystemTime::now();
+        Self {
+            version: VERSION,
+            id: identity.id(),
+            identity_digest: hex(&identity.digest()),
+            installation: identity.installation().to_owned(),
+            phase: Phase::Provisioning,
+            generation,
+            incarnation,
+            created_at: now,
+            last_activity: now,
+            suspend_reason: None,
+            close_reason: None,
+            storage: StorageState::Present,
+            evidence,
+            uid: None,
+            worker: None,
+        }
+    }
+
+    /// The contract state; a session still provisioning reads as `Created` with no worker.
+    pub(crate) fn state(&self) -> SessionState {
+        match self.phase {
+            Phase::Provisioning => SessionState::Created,
+            Phase::Session(state) => state,
+        }
+    }
+
+    pub(crate) fn status(&self, storage_refs: Vec<String>) -> SessionStatus {
+        let mut status = SessionStatus::new(self.id, self.created_at);
+        status.state = self.state();
+        status.generation = self.generation;
+        status.worker = self
+            .worker
+            .filter(|w| w.process.is_some() && self.state() == SessionState::Running)
+            .map(|w| WorkerInfo::new(worker_id(&w), w.generation, w.started_at));
+        status.last_activity = self.last_activity;
+        status.storage = self.storage;
+        status.suspend_reason = self.suspend_reason;
+        status.close_reason = self.close_reason;
+        status.storage_refs = storage_refs;
+        status
+    }
+
+    pub(crate) fn belongs_to(&self, identity: &SessionIdentity) -> bool {
+        self.id == identity.id() && self.identity_digest == hex(&identity.digest())
+    }
+}
+
+/// A worker's id as operators see it: `pid:<pid>@<start time>/g<generation>`.
+pub(crate) fn worker_id(worker: &WorkerRecord) -> String {
+    match worker.process {
+        Some(process) => format!(
+            "pid:{}@{}/g{}",
+            process.pid, process.start_time, worker.generation
+        ),
+        None => format!("launching/g{}", worker.generation),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn corrupt(path: &Path, why: impl std::fmt::Display) -> Error {
+    Error::Backend {
+        runtime: RUNTIME,
+        retryable: false,
+        message: format!("session record {} is unusable: {why}", path.display()),
+        source: None,
+    }
+}
+
+/// Reads the record at `path`, which must belong to session `id`. `Ok(None)` if there is none.
+pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>, Error> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::backend(RUNTIME, true, "reading a session record", e)),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::backend(RUNTIME, true, "reading a session record", e))?;
+    if !meta.is_file() || meta.len() > MAX_RECORD_BYTES {
+        return Err(corrupt(path, "not a regular file of a plausible size"));
+    }
+    let record: SessionRecord =
+        serde_json::from_reader(io::BufReader::new(file)).map_err(|e| corrupt(path, e))?;
+    if record.version != VERSION {
+        return Err(corrupt(path, format!("unknown version {}", record.version)));
+    }
+    if record.id != *id {
+        return Err(corrupt(path, format!("it names session {}", record.id)));
+    }
+    Ok(Some(record))
+}
+
+/// Atomically replaces the record at `path`.
+pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
+    let fail = |e: io::Error| Error::backend(RUNTIME, true, "writing a session record", e);
+    let dir = path
+        .parent()
+        .ok_or_else(|| fail(io::Error::other("a record path has a parent")))?;
+    let temporary = dir.join(".record.json.tmp");
+    let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(io::Error::other(e)))?;
+    {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&temporary)
+            .map_err(fail)?;
+        file.write_all(&bytes).map_err(fail)?;
+        file.sync_all().map_err(fail)?;
+    }
+    fs::rename(&temporary, path).map_err(fail)?;
+    File::open(dir).and_then(|d| d.sync_all()).map_err(fail)
+}

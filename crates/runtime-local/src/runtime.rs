@@ -1,0 +1,701 @@
+//! [`LocalRuntime`]: the `SessionRuntime` implementation.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use rustix::process::Signal;
+use session_runtime::{
+    Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
+    ReconcileReport, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime, SessionState,
+    SessionStatus, StorageState, SuspendReason,
+};
+
+use crate::layout::{self, SessionDirs};
+use crate::process::{self, ProcessRef};
+use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
+use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox};
+use crate::seed;
+use crate::worker::{self, Activity, LocalWorker, Watched};
+use crate::{LocalSettings, RUNTIME};
+
+/// The environment variable every worker carries: `<scope>:<session id>:<generation>`, where the
+/// scope names the installation and the storage root (see `LocalSettings::scope`).
+/// `reconcile` recognises workers by it when no pid was recorded (a broker killed mid-spawn).
+pub(crate) const WORKER_MARKER: &str = "OPENAB_SESSION_WORKER";
+/// How long `reconcile` and `attach` wait for a killed orphan to disappear.
+const ORPHAN_EXIT_WAIT: Duration = Duration::from_secs(5);
+
+/// Runs each session's agent as a child process of the broker, plain or sandboxed, with its own
+/// storage under `root/<session id>/`. Build it with [`LocalRuntime::builder`](crate::LocalRuntime::builder).
+#[derive(Debug)]
+pub struct LocalRuntime {
+    pub(crate) settings: LocalSettings,
+    pub(crate) sandbox: Sandbox,
+    pub(crate) broker: ProcessRef,
+    slots: Mutex<HashMap<SessionId, Arc<Slot>>>,
+}
+
+/// What this broker process holds of one session, behind the session's lifecycle lock.
+#[derive(Debug, Default)]
+struct Slot {
+    held: tokio::sync::Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    /// The session's flock, held while this process owns the session's worker.
+    lock: Option<OwnerLock>,
+    worker: Option<Live>,
+}
+
+#[derive(Debug)]
+struct Live {
+    control: Arc<LocalWorker>,
+    fence: FenceTrigger,
+    activity: Activity,
+    limits: Option<LimitsHandle>,
+}
+
+/// An exclusive `flock` on a session's lock file.
+///
+/// Released explicitly on drop: a child forked by another thread at that moment holds a copy of
+/// the descriptor until it execs, and closing ours alone would leave the lock held through it.
+#[derive(Debug)]
+struct OwnerLock(File);
+
+impl Drop for OwnerLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
+fn storage_error(what: &str, error: io::Error) -> Error {
+    Error::backend(RUNTIME, true, what, error)
+}
+
+impl LocalRuntime {
+    pub(crate) fn new(settings: LocalSettings, sandbox: Sandbox) -> Self {
+        Self {
+            settings,
+            sandbox,
+            broker: ProcessRef::current(),
+            slots: Mutex::default(),
+        }
+    }
+
+    fn slot(&self, id: &SessionId) -> Arc<Slot> {
+        Arc::clone(self.slots.lock().entry(*id).or_default())
+    }
+
+    fn dirs(&self, id: &SessionId) -> SessionDirs {
+        SessionDirs::live(&self.settings.root, id)
+    }
+
+    fn load(&self, id: &SessionId) -> Result<Option<SessionRecord>> {
+        record::load(&self.dirs(id).record(), id)
+    }
+
+    fn store(&self, record: &SessionRecord) -> Result<()> {
+        record::store(&self.dirs(&record.id).record(), record)
+    }
+
+    /// Takes the session's flock for this process, unless it already holds it.
+    fn own(
+        &self,
+        held: &mut Held,
+        id: SessionId,
+        dirs: &SessionDirs,
+        record: Option<&SessionRecord>,
+    ) -> Result<()> {
+        if held.lock.is_some() {
+            return Ok(());
+        }
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dirs.lock())
+            .map_err(|e| storage_error("opening a session lock", e))?;
+        match file.try_lock() {
+            Ok(()) => {
+                held.lock = Some(OwnerLock(file));
+                Ok(())
+            }
+            Err(fs::TryLockError::WouldBlock) => Err(Error::StorageInUse {
+                id,
+                holder: match record.and_then(|r| r.worker) {
+                    Some(worker) => format!("another broker process (pid {})", worker.broker.pid),
+                    None => "another broker process".into(),
+                },
+            }),
+            Err(fs::TryLockError::Error(e)) => Err(storage_error("locking a session", e)),
+        }
+    }
+
+    fn storage_refs(&self, dirs: &SessionDirs) -> Vec<String> {
+        vec![dirs.base.display().to_string()]
+    }
+
+    /// Stops whatever worker the session has: this process's (fenced first), or one recorded by
+    /// a broker that is gone.
+    /// `fenced_by` is the generation taking over (the next one when a new worker replaces it).
+    async fn stop_worker(&self, held: &mut Held, record: &SessionRecord, fenced_by: u64, grace: Duration) {
+        if let Some(live) = held.worker.take() {
+            live.fence.fence(fenced_by);
+            let _ = session_runtime::WorkerControl::terminate(live.control.as_ref(), grace).await;
+            if let Some(limits) = live.limits {
+                let _ = limits.remove();
+            }
+        }
+        if let Some(worker) = record.worker {
+            kill_recorded(&self.settings.scope, &record.id, &worker).await;
+        }
+    }
+
+    async fn attach_locked(&self, id: SessionId, held: &mut Held) -> Result<Attachment> {
+        let dirs = self.dirs(&id);
+        let mut record = self.load(&id)?.ok_or(Error::NotFound { id })?;
+        if record.phase == Phase::Provisioning {
+            return Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: true,
+                message: format!("session {id} is still being provisioned; create it again"),
+                source: None,
+            });
+        }
+        let state = record.state();
+        if !state.can_attach() {
+            return Err(Error::InvalidState {
+                id,
+                state,
+                operation: "attach",
+            });
+        }
+        self.own(held, id, &dirs, Some(&record))?;
+        self.stop_worker(
+            held,
+            &record,
+            record.generation + 1,
+            self.settings.terminate_grace,
+        )
+        .await;
+        if record.uid.is_none() {
+            // Created before this broker could give sessions their own user (or by one that
+            // could not): hand the storage over now. Both calls are idempotent.
+            record.uid = self.sandbox.allocate_uid(&self.settings.root, &id)?;
+            self.sandbox.prepare_storage(&dirs, record.uid)?;
+        }
+
+        // The generation is bumped durably, with the launch intent, before any process starts.
+        record.generation += 1;
+        let generation = record.generation;
+        record.phase = Phase::Session(SessionState::Running);
+        record.suspend_reason = None;
+        record.last_activity = SystemTime::now();
+        record.worker = Some(WorkerRecord {
+            generation,
+            process: None,
+            broker: self.broker,
+            started_at: record.last_activity,
+        });
+        self.store(&record)?;
+
+        let paths = self.sandbox.worker_paths(&dirs);
+        let spec = LaunchSpec {
+            id: &id,
+            program: &self.settings.agent.program,
+            args: &self.settings.agent.args,
+            dirs: &dirs,
+            uid: record.uid,
+        };
+        let mut command = self.sandbox.command(&spec)?;
+        command
+            .env_clear()
+            .envs(self.environment(&id, generation, &paths.home, &paths.tmp, record.uid));
+        command.current_dir(&dirs.workspace);
+        let spawned = match worker::spawn(command, id, generation) {
+            Ok(spawned) => spawned,
+            Err(cause) => {
+                record.phase = Phase::Session(SessionState::Suspended);
+                record.worker = None;
+                self.store(&record)?;
+                return Err(Error::WorkerFailed { id, cause });
+            }
+        };
+        if let Some(worker) = record.worker.as_mut() {
+            worker.process = Some(spawned.worker.process);
+        }
+        let limits = match &self.settings.limits {
+            Some(limits) => match self.sandbox.apply_limits(&id, limits, spawned.worker.process.pid) {
+                Ok(handle) => Some(handle),
+                Err(error) => {
+                    let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+                    record.phase = Phase::Session(SessionState::Suspended);
+                    record.worker = None;
+                    self.store(&record)?;
+                    return Err(error);
+                }
+            },
+            None => None,
+        };
+        if let Err(error) = self.store(&record) {
+            let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+            return Err(error);
+        }
+        let (fence, trigger) = Fence::new(id, generation);
+        let activity = Activity::default();
+        activity.touch();
+        held.worker = Some(Live {
+            control: Arc::clone(&spawned.worker),
+            fence: trigger,
+            activity: activity.clone(),
+            limits,
+        });
+        tracing::debug!(session = %id, generation, worker = %spawned.worker.process.pid, "worker started");
+        Ok(Attachment::new(AttachmentParts::new(
+            fence,
+            paths.workspace,
+            Watched {
+                inner: spawned.stdout,
+                activity: activity.clone(),
+            },
+            Watched {
+                inner: spawned.stdin,
+                activity,
+            },
+            spawned.worker,
+        )))
+    }
+
+    /// Upstream OpenAB's environment: cleared, then a baseline, then configured variables, then
+    /// inherited ones that were not set explicitly.
+    fn environment(
+        &self,
+        id: &SessionId,
+        generation: u64,
+        home: &str,
+        tmp: &str,
+        uid: Option<u32>,
+    ) -> Vec<(String, String)> {
+        let agent = &self.settings.agent;
+        let mut env: Vec<(String, String)> = vec![
+            ("HOME".into(), home.into()),
+            ("TMPDIR".into(), tmp.into()),
+            (
+                "PATH".into(),
+                std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+            ),
+            // A session with a user of its own runs as `agent` (the sandbox's passwd says so).
+            (
+                "USER".into(),
+                if uid.is_some() {
+                    None
+                } else {
+                    std::env::var("USER").ok()
+                }
+                .unwrap_or_else(|| "agent".into()),
+            ),
+        ];
+        for (key, value) in &agent.env {
+            env.retain(|(k, _)| k != key);
+            env.push((key.clone(), value.clone()));
+        }
+        for key in &agent.inherit_env {
+            if agent.env.contains_key(key) {
+                continue;
+            }
+            if let Ok(value) = std::env::var(key) {
+                env.retain(|(k, _)| k != key);
+                env.push((key.clone(), value));
+            }
+        }
+        env.push((
+            WORKER_MARKER.into(),
+            marker_value(&self.settings.scope, id, generation),
+        ));
+        env
+    }
+
+    async fn suspend_locked(&self, id: SessionId, held: &mut Held, reason: SuspendReason) -> Result<()> {
+        let dirs = self.dirs(&id);
+        let Some(mut record) = self.load(&id)? else {
+            return Err(Error::NotFound { id });
+        };
+        let state = record.state();
+        if !state.can_suspend() {
+            return Err(Error::InvalidState {
+                id,
+                state,
+                operation: "suspend",
+            });
+        }
+        if state != SessionState::Running && record.worker.is_none() && held.worker.is_none() {
+            return Ok(());
+        }
+        self.own(held, id, &dirs, Some(&record))?;
+        let stopping = record.clone();
+        if state == SessionState::Running {
+            record.phase = Phase::Session(SessionState::Suspended);
+            record.suspend_reason = Some(reason);
+            record.last_activity = SystemTime::now();
+        }
+        // Suspend is recorded before the worker is stopped; `reconcile` stops a survivor.
+        self.store(&record)?;
+        let grace = if reason == SuspendReason::Hung {
+            Duration::ZERO
+        } else {
+            self.settings.terminate_grace
+        };
+        self.stop_worker(held, &stopping, stopping.generation, grace)
+            .await;
+        record.worker = None;
+        self.store(&record)?;
+        held.lock = None;
+        Ok(())
+    }
+
+    async fn close_locked(&self, id: SessionId, held: &mut Held, reason: CloseReason) -> Result<bool> {
+        let dirs = self.dirs(&id);
+        let Some(mut record) = self.load(&id)? else {
+            return Ok(false);
+        };
+        self.own(held, id, &dirs, Some(&record))?;
+        if !record.state().is_closed() {
+            record.phase = Phase::Session(SessionState::Closing);
+            record.close_reason = Some(reason);
+            record.last_activity = SystemTime::now();
+            self.store(&record)?;
+        }
+        self.stop_worker(held, &record, record.generation, self.settings.terminate_grace)
+            .await;
+        record.worker = None;
+        if record.state() != SessionState::Closed {
+            let reason = record.close_reason.unwrap_or(reason);
+            record.storage = match self.settings.retention.retained_until(reason, SystemTime::now()) {
+                Some(until) => StorageState::Retained { until },
+                None => StorageState::Deleted,
+            };
+            record.phase = Phase::Session(SessionState::Closed);
+        }
+        self.store(&record)?;
+        if DirEvidence::of(&dirs.base).ok() != Some(record.evidence) {
+            return Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: false,
+                message: format!(
+                    "session {id} storage is not the directory recorded at create; left in place"
+                ),
+                source: None,
+            });
+        }
+        let destination = match record.storage {
+            StorageState::Retained { .. } => layout::retained_dir(&self.settings.root),
+            _ => layout::trash_dir(&self.settings.root),
+        };
+        let moved = destination.join(format!("{id}.{}", record.incarnation));
+        fs::create_dir_all(&destination).map_err(|e| storage_error("preparing closed storage", e))?;
+        fs::rename(&dirs.base, &moved).map_err(|e| storage_error("moving closed storage", e))?;
+        held.lock = None;
+        // Retained storage stays owned by the session's user, so the user is kept until the
+        // storage is deleted.
+        if record.storage == StorageState::Deleted {
+            fs::remove_dir_all(&moved).map_err(|e| storage_error("deleting session storage", e))?;
+            self.sandbox.release_uid(&self.settings.root, &id)?;
+        }
+        Ok(true)
+    }
+
+    /// The newest retained record of `id`, with its directory.
+    fn retained(&self, id: &SessionId) -> Option<(SessionRecord, PathBuf)> {
+        let entries = fs::read_dir(layout::retained_dir(&self.settings.root)).ok()?;
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().into_string().ok()?;
+                let (found, incarnation) = name.split_once('.')?;
+                (found == id.as_str()).then_some(())?;
+                incarnation.parse::<u64>().ok()?;
+                let dirs = SessionDirs::at(entry.path());
+                let record = record::load(&dirs.record(), id).ok()??;
+                Some((record, entry.path()))
+            })
+            .max_by_key(|(record, _)| record.incarnation)
+    }
+
+    async fn provision(
+        &self,
+        identity: &SessionIdentity,
+        options: &CreateOptions,
+        held: &mut Held,
+        generation: u64,
+        incarnation: u64,
+    ) -> Result<SessionRecord> {
+        let id = identity.id();
+        let dirs = self.dirs(&id);
+        match fs::create_dir(&dirs.base) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => adoptable(&dirs)?,
+            Err(e) => return Err(storage_error("creating session storage", e)),
+        }
+        self.own(held, id, &dirs, None)?;
+        let evidence =
+            DirEvidence::of(&dirs.base).map_err(|e| storage_error("inspecting session storage", e))?;
+        let mut record = SessionRecord::new(identity, incarnation, generation, evidence);
+        self.store(&record)?;
+        for dir in dirs.agent_dirs() {
+            fs::create_dir_all(dir).map_err(|e| storage_error("creating session storage", e))?;
+        }
+        record.uid = self.sandbox.allocate_uid(&self.settings.root, &id)?;
+        seed::provision(&self.settings, &dirs, options, record.uid).await?;
+        self.sandbox.prepare_storage(&dirs, record.uid)?;
+        record.phase = Phase::Session(SessionState::Created);
+        self.store(&record)?;
+        held.lock = None;
+        Ok(record)
+    }
+}
+
+/// Whether an existing directory without a usable record may be (re)provisioned: only if it holds
+/// nothing but what an interrupted provisioning leaves.
+fn adoptable(dirs: &SessionDirs) -> Result<()> {
+    let entries = fs::read_dir(&dirs.base).map_err(|e| storage_error("inspecting session storage", e))?;
+    let ours = [
+        "lock",
+        "record.json",
+        ".record.json.tmp",
+        "workspace",
+        "home",
+        "state",
+        "tmp",
+    ];
+    for entry in entries.flatten() {
+        if !ours.iter().any(|name| entry.file_name() == *name) {
+            return Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: false,
+                message: format!(
+                    "{} holds files this runtime did not create; move it away to provision the session",
+                    dirs.base.display()
+                ),
+                source: None,
+            });
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn marker_value(scope: &str, id: &SessionId, generation: u64) -> String {
+    format!("{scope}:{id}:{generation}")
+}
+
+/// Kills a worker recorded by any broker process: by pid and start time when it was recorded, else
+/// by the marker in its environment. Waits a bounded time for it to go.
+async fn kill_recorded(scope: &str, id: &SessionId, worker: &WorkerRecord) {
+    match worker.process {
+        Some(process) => {
+            let _ = process::signal_tree(process, Signal::KILL);
+            let deadline = tokio::time::Instant::now() + ORPHAN_EXIT_WAIT;
+            while process.is_alive() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        None => {
+            let marker = format!("{WORKER_MARKER}={}", marker_value(scope, id, worker.generation));
+            for pid in process::with_environment_entry(&marker) {
+                if let Some(found) = ProcessRef::of(pid) {
+                    let _ = process::signal_tree(found, Signal::KILL);
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl SessionRuntime for LocalRuntime {
+    fn name(&self) -> &'static str {
+        RUNTIME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::minimal()
+            .with_isolation(self.sandbox.isolation())
+            .with_persistent_storage(true)
+    }
+
+    async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
+        if identity.installation() != self.settings.installation {
+            return Err(Error::InvalidIdentity {
+                part: "installation",
+                problem: format!(
+                    "belongs to another installation than {}",
+                    self.settings.installation
+                ),
+            });
+        }
+        let id = identity.id();
+        let slot = self.slot(&id);
+        let mut held = slot.held.lock().await;
+        let existing = self.load(&id)?;
+        if let Some(record) = &existing {
+            if !record.belongs_to(identity) {
+                return Err(Error::Backend {
+                    runtime: RUNTIME,
+                    retryable: false,
+                    message: format!("session {id} record belongs to another identity"),
+                    source: None,
+                });
+            }
+            match record.phase {
+                Phase::Provisioning => {}
+                Phase::Session(SessionState::Closing | SessionState::Closed) => {
+                    self.close_locked(id, &mut held, CloseReason::Ended).await?;
+                }
+                Phase::Session(state) => return Ok(SessionHandle::new(id, state, record.generation, false)),
+            }
+        }
+        // Generations and incarnations only grow, across closes too.
+        let previous = existing.or_else(|| self.retained(&id).map(|(record, _)| record));
+        let (generation, incarnation) = match &previous {
+            Some(record) if record.phase == Phase::Provisioning => (record.generation, record.incarnation),
+            Some(record) => (record.generation, record.incarnation + 1),
+            None => (0, 1),
+        };
+        let record = self
+            .provision(identity, options, &mut held, generation, incarnation)
+            .await?;
+        Ok(SessionHandle::new(id, record.state(), record.generation, true))
+    }
+
+    async fn attach(&self, id: &SessionId) -> Result<Attachment> {
+        let slot = self.slot(id);
+        let mut held = slot.held.lock().await;
+        self.attach_locked(*id, &mut held).await
+    }
+
+    async fn suspend(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {
+        let slot = self.slot(id);
+        let mut held = slot.held.lock().await;
+        self.suspend_locked(*id, &mut held, reason).await
+    }
+
+    async fn close(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
+        let slot = self.slot(id);
+        let mut held = slot.held.lock().await;
+        self.close_locked(*id, &mut held, reason).await.map(drop)
+    }
+
+    async fn status(&self, id: &SessionId) -> Result<SessionStatus> {
+        if let Some(record) = self.load(id)? {
+            return Ok(record.status(self.storage_refs(&self.dirs(id))));
+        }
+        match self.retained(id) {
+            Some((record, path)) => Ok(record.status(vec![path.display().to_string()])),
+            None => Err(Error::NotFound { id: *id }),
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<SessionStatus>> {
+        let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
+        let mut sessions = Vec::new();
+        for entry in entries.flatten() {
+            let Some(id) = entry.file_name().to_str().and_then(|n| SessionId::parse(n).ok()) else {
+                continue;
+            };
+            match self.status(&id).await {
+                Ok(status) => sessions.push(status),
+                Err(error) => tracing::warn!(session = %id, "skipping an unreadable session: {error}"),
+            }
+        }
+        Ok(sessions)
+    }
+
+    async fn reconcile(&self) -> Result<ReconcileReport> {
+        crate::reconcile::run(self).await
+    }
+}
+
+impl LocalRuntime {
+    /// Sessions with live storage under the root.
+    pub(crate) fn live_ids(&self) -> Result<Vec<SessionId>> {
+        let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
+        Ok(entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().and_then(|n| SessionId::parse(n).ok()))
+            .collect())
+    }
+
+    /// One reconcile step for one live session.
+    pub(crate) async fn reconcile_session(&self, id: SessionId, report: &mut ReconcileReport) -> Result<()> {
+        let slot = self.slot(&id);
+        let mut held = slot.held.lock().await;
+        let Some(record) = self.load(&id)? else {
+            return Ok(());
+        };
+        let state = record.state();
+        // This process's worker, if it is of the recorded generation: (alive, last activity).
+        let ours = held
+            .worker
+            .as_ref()
+            .filter(|live| {
+                session_runtime::WorkerControl::generation(live.control.as_ref()) == record.generation
+            })
+            .map(|live| {
+                (
+                    session_runtime::WorkerControl::is_alive(live.control.as_ref()),
+                    live.activity.last(),
+                )
+            });
+        // A worker that should not run: the record says so, it is of an older generation, or it
+        // was started by a broker that is gone.
+        let recorded = record.worker.filter(|w| w.process.is_none_or(|p| p.is_alive()));
+        let stray_recorded = recorded.is_some_and(|w| {
+            !state.may_run_worker()
+                || w.generation != record.generation
+                || (w.broker != self.broker && !w.broker.is_alive())
+        });
+        let stray_held = held.worker.is_some() && (!state.may_run_worker() || ours.is_none());
+        if stray_recorded || stray_held {
+            if self.own(&mut held, id, &self.dirs(&id), Some(&record)).is_err() {
+                return Ok(()); // another live broker owns it and will act
+            }
+            self.stop_worker(&mut held, &record, record.generation, Duration::ZERO)
+                .await;
+            let mut record = record.clone();
+            record.worker = None;
+            if state == SessionState::Running {
+                record.phase = Phase::Session(SessionState::Suspended);
+                record.suspend_reason = Some(SuspendReason::Shutdown);
+            }
+            self.store(&record)?;
+            held.lock = None;
+            report
+                .killed_workers
+                .push((id, format!("a worker ran while the session was {state}")));
+        }
+        if state == SessionState::Closing
+            || (state == SessionState::Closed && record.storage != StorageState::Present)
+        {
+            let reason = record.close_reason.unwrap_or(CloseReason::Ended);
+            if self.close_locked(id, &mut held, reason).await? {
+                report.finished_closes.push(id);
+            }
+            return Ok(());
+        }
+        if let (SessionState::Running, Some((true, activity)), Some(ttl)) =
+            (state, ours, self.settings.idle_ttl)
+        {
+            let last = activity.max(record.last_activity);
+            if SystemTime::now().duration_since(last).unwrap_or_default() >= ttl {
+                self.suspend_locked(id, &mut held, SuspendReason::Idle).await?;
+                report.suspended_idle.push(id);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,313 @@
+//! The bubblewrap command line.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+use session_runtime::config::{NetworkMode, ReadonlyMount};
+use session_runtime::Error;
+
+use super::host::{self, HostLayout, SystemEntry};
+use super::storage::IdentityFiles;
+use super::{
+    cannot_switch, invalid, LaunchSpec, READONLY_KEY, SANDBOX_HOME, SANDBOX_STATE, SANDBOX_TMP,
+    SANDBOX_WORKSPACE,
+};
+
+/// The sandbox's host name (it has its own uts namespace, so the host's name does not leak).
+pub(crate) const SANDBOX_HOSTNAME: &str = "openab";
+
+/// The paths a bubblewrap sandbox creates itself besides the system directories; a read-only
+/// input may not cover them.
+const OWN_PATHS: [&str; 8] = [
+    "/proc",
+    "/dev",
+    "/home",
+    SANDBOX_HOME,
+    SANDBOX_WORKSPACE,
+    SANDBOX_TMP,
+    SANDBOX_STATE,
+    HOST_PROGRAMS,
+];
+
+/// The namespace and lifetime options, shared by the sandbox and its probe.
+fn isolation_args(network: NetworkMode) -> Vec<&'static str> {
+    let mut args = vec![
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+    ];
+    if network == NetworkMode::None {
+        args.push("--unshare-net");
+    }
+    args
+}
+
+/// `setpriv`'s options that switch to `uid` and drop every privilege; the program follows.
+fn setpriv_args(uid: u32) -> Vec<String> {
+    vec![
+        format!("--reuid={uid}"),
+        format!("--regid={uid}"),
+        "--clear-groups".to_owned(),
+        "--inh-caps=-all".to_owned(),
+        "--ambient-caps=-all".to_owned(),
+        "--bounding-set=-all".to_owned(),
+        "--no-new-privs".to_owned(),
+        "--".to_owned(),
+    ]
+}
+
+/// Probe results by `bwrap` path and whether the network is unshared.
+type ProbeResults = HashMap<(PathBuf, bool), Result<(), String>>;
+
+/// Results of probes: each runs once per process.
+static PROBES: OnceLock<Mutex<ProbeResults>> = OnceLock::new();
+
+/// A `bwrap` that works here with the namespaces sessions use: `explicit`, else the one on
+/// `PATH`, else `/usr/bin/bwrap`. As root it must also be able to drop to an unprivileged uid
+/// with `setpriv` inside.
+///
+/// # Errors
+///
+/// Why not, in a few words.
+pub(super) fn find_working(
+    explicit: Option<&Path>,
+    network: NetworkMode,
+    layout: &HostLayout,
+) -> Result<PathBuf, String> {
+    let bwrap = match explicit {
+        Some(path) if host::is_executable(path) => path.to_path_buf(),
+        Some(path) => return Err(format!("{} is not an executable file", path.display())),
+        None => host::find_program("bwrap", &[Path::new("/usr/bin/bwrap")])
+            .ok_or_else(|| "`bwrap` is not on PATH nor at /usr/bin/bwrap".to_owned())?,
+    };
+    if layout.root && layout.setpriv.is_none() {
+        return Err(
+            "the broker runs as root, and dropping to a per-session uid inside the sandbox needs \
+                    util-linux `setpriv` under /usr or /bin, which was not found"
+                .to_owned(),
+        );
+    }
+    let key = (bwrap.clone(), network == NetworkMode::None);
+    let probes = PROBES.get_or_init(Mutex::default);
+    if let Some(result) = probes.lock().get(&key) {
+        return result.clone().map(|()| bwrap);
+    }
+    let mut args: Vec<OsString> = vec!["--ro-bind".into(), "/".into(), "/".into()];
+    args.extend(isolation_args(network).into_iter().map(OsString::from));
+    args.extend(["--dev", "/dev", "--proc", "/proc", "--"].map(OsString::from));
+    match &layout.setpriv {
+        Some(setpriv) if layout.root => {
+            args.push(setpriv.clone().into_os_string());
+            args.extend(setpriv_args(65534).into_iter().map(OsString::from));
+        }
+        _ => {}
+    }
+    args.push("true".into());
+    let result = host::probe(&bwrap, &args);
+    probes.lock().insert(key, result.clone());
+    result.map(|()| bwrap)
+}
+
+/// Refuses read-only inputs whose sandbox path would cover, or sit inside, a directory the
+/// sandbox sets up itself (system directories, `/proc`, `/dev`, the session's storage): bubblewrap
+/// would hide that directory, or create a mount point inside the session's or the host's files.
+pub(super) fn check_mounts(layout: &HostLayout, readonly: &[ReadonlyMount]) -> Result<(), Error> {
+    let system = layout.system.iter().map(|entry| entry.path().to_path_buf());
+    let own = OWN_PATHS.iter().map(PathBuf::from);
+    let reserved: Vec<PathBuf> = system.chain(own).collect();
+    for (index, mount) in readonly.iter().enumerate() {
+        let target = mount.target();
+        let clash = reserved.iter().find(|path| {
+            // `/home` itself is only a parent: inputs may live beside `/home/agent`.
+            (target.starts_with(path) && path.as_path() != Path::new("/home")) || path.starts_with(target)
+        });
+        if let Some(path) = clash {
+            return Err(invalid(
+                READONLY_KEY,
+                format!(
+                    "entry {} ({mount}): sandbox path {} overlaps {}, which the sandbox sets up itself; \
+                     choose another sandbox path, e.g. /skills or /opt/<name>",
+                    index + 1,
+                    target.display(),
+                    path.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Sandbox paths that replace whatever the host has there.
+const REPLACED: [&str; 6] = [
+    "/proc",
+    "/dev",
+    SANDBOX_HOME,
+    SANDBOX_WORKSPACE,
+    SANDBOX_TMP,
+    SANDBOX_STATE,
+];
+
+/// Where a program from a replaced host directory is shown: `/run/host/<its host path>`.
+pub(crate) const HOST_PROGRAMS: &str = "/run/host";
+
+/// How the agent program gets into the sandbox when it lives outside everything the sandbox
+/// shows: its real file (links resolved, so `/usr/local/bin/agent -> /opt/agent/bin/agent` binds
+/// the real file), bound read-only at the same path, or under [`HOST_PROGRAMS`] when that path is
+/// one the sandbox replaces (e.g. an agent built under the host's `/tmp`). Returns the host file
+/// and the path to execute. A name without `/` (looked up on `PATH`), a missing file, and a path
+/// under a read-only input's sandbox path, `/workspace`, `/home/agent` or `/state` (a file inside
+/// the sandbox) need no mount.
+fn program_mount(
+    layout: &HostLayout,
+    readonly: &[ReadonlyMount],
+    program: &str,
+) -> Option<(PathBuf, PathBuf)> {
+    let path = Path::new(program);
+    let inside = [SANDBOX_WORKSPACE, SANDBOX_HOME, SANDBOX_STATE]
+        .iter()
+        .any(|p| path.starts_with(p))
+        || readonly.iter().any(|mount| path.starts_with(mount.target()));
+    if !path.is_absolute() || inside {
+        return None;
+    }
+    // Missing: executing it fails with a clear "no such file" from bubblewrap.
+    let real = std::fs::canonicalize(path).ok()?;
+    if layout
+        .system
+        .iter()
+        .any(|entry| matches!(entry, SystemEntry::Dir(dir) if real.starts_with(dir)))
+    {
+        return None;
+    }
+    let shown = if REPLACED.iter().any(|p| real.starts_with(p)) {
+        Path::new(HOST_PROGRAMS).join(real.strip_prefix("/").unwrap_or(&real))
+    } else {
+        real.clone()
+    };
+    Some((real, shown))
+}
+
+/// The arguments of `bwrap` (not `bwrap` itself) that run `spec` in a sandbox.
+///
+/// # Errors
+///
+/// [`Error::Backend`] if `spec.uid` is set but the broker is not root (it cannot switch users),
+/// or `setpriv` is missing.
+pub(crate) fn bwrap_args(
+    layout: &HostLayout,
+    network: NetworkMode,
+    readonly: &[ReadonlyMount],
+    spec: &LaunchSpec<'_>,
+    identity: Option<&IdentityFiles>,
+) -> Result<Vec<OsString>, Error> {
+    let setpriv = match spec.uid {
+        None => None,
+        Some(uid) if !layout.root => return Err(cannot_switch(spec.id, uid)),
+        Some(uid) => match &layout.setpriv {
+            Some(setpriv) => Some((setpriv, uid)),
+            None => {
+                return Err(Error::Backend {
+                    runtime: crate::RUNTIME,
+                    retryable: false,
+                    message: format!(
+                        "session {} needs util-linux `setpriv` to drop to uid {uid}; it was not found",
+                        spec.id
+                    ),
+                    source: None,
+                })
+            }
+        },
+    };
+
+    let mut args = Args::default();
+    for flag in isolation_args(network) {
+        args.push(flag);
+    }
+    args.push("--hostname").push(SANDBOX_HOSTNAME);
+    if setpriv.is_none() {
+        // Running as the broker's user: no capability (meaningful when that user is root).
+        args.push("--cap-drop").push("ALL");
+    }
+    for entry in &layout.system {
+        match entry {
+            SystemEntry::Dir(path) => args.push("--ro-bind").push(path).push(path),
+            SystemEntry::Symlink { path, target } => args.push("--symlink").push(target).push(path),
+        };
+    }
+    if network == NetworkMode::Host {
+        if let Some(resolv) = &layout.resolv_conf {
+            args.push("--ro-bind").push(resolv).push(resolv);
+        }
+    }
+    if let Some(identity) = identity {
+        args.push("--ro-bind").push(&identity.passwd).push("/etc/passwd");
+        args.push("--ro-bind").push(&identity.group).push("/etc/group");
+    }
+    args.push("--proc").push("/proc");
+    args.push("--dev").push("/dev");
+    args.push("--perms").push("0755").push("--dir").push("/home");
+    args.push("--bind").push(&spec.dirs.home).push(SANDBOX_HOME);
+    args.push("--bind")
+        .push(&spec.dirs.workspace)
+        .push(SANDBOX_WORKSPACE);
+    args.push("--bind").push(&spec.dirs.tmp).push(SANDBOX_TMP);
+    args.push("--bind").push(&spec.dirs.state).push(SANDBOX_STATE);
+    for mount in readonly {
+        traversable_parents(&mut args, mount.target());
+        args.push("--ro-bind").push(mount.host()).push(mount.target());
+    }
+    let mut program = OsString::from(spec.program);
+    if let Some((real, shown)) = program_mount(layout, readonly, spec.program) {
+        traversable_parents(&mut args, &shown);
+        args.push("--ro-bind").push(&real).push(&shown);
+        program = shown.into_os_string();
+    }
+    args.push("--chdir").push(SANDBOX_WORKSPACE);
+    args.push("--");
+    if let Some((setpriv, uid)) = setpriv {
+        args.push(setpriv);
+        for arg in setpriv_args(uid) {
+            args.push(arg);
+        }
+    }
+    args.push(program);
+    for arg in spec.args {
+        args.push(arg);
+    }
+    Ok(args.0)
+}
+
+/// Creates the missing parents of a mount target as 0755, so a session running as its own user
+/// can reach it (bubblewrap would otherwise create them 0700, owned by root).
+fn traversable_parents(args: &mut Args, target: &Path) {
+    let parents: Vec<&Path> = target
+        .ancestors()
+        .skip(1)
+        .filter(|p| p.parent().is_some())
+        .collect();
+    for parent in parents.into_iter().rev() {
+        if ["/usr", "/etc", "/proc", "/dev", "/home", "/tmp"]
+            .iter()
+            .any(|system| parent.starts_with(system))
+        {
+            continue;
+        }
+        args.push("--perms").push("0755").push("--dir").push(parent);
+    }
+}
+
+/// An argument list being built.
+#[derive(Default)]
+struct Args(Vec<OsString>);
+
+impl Args {
+    fn push(&mut self, arg: impl Into<OsString>) -> &mut Self {
+        self.0.push(arg.into());
+        self
+    }
+}

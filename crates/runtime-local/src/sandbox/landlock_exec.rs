@@ -1,0 +1,159 @@
+//! Landlock mode: finding the `oab-landlock-exec` helper and writing its command line.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+use session_runtime::config::ReadonlyMount;
+use session_runtime::Error;
+
+use super::host::{self, HostLayout};
+use super::landlock_rules::{self, Rules};
+use super::LaunchSpec;
+
+/// The helper's file name.
+pub(crate) const HELPER_NAME: &str = "oab-landlock-exec";
+
+/// The environment variable that names the helper explicitly.
+pub(crate) const HELPER_ENV: &str = "OAB_LANDLOCK_EXEC";
+
+/// Device files the agent may read and write.
+const DEVICES: [&str; 5] = [
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+];
+
+/// Results of helper probes, per path: run once per process.
+static PROBES: OnceLock<Mutex<HashMap<PathBuf, Result<(), String>>>> = OnceLock::new();
+
+/// Where the helper is: `explicit`, else `$OAB_LANDLOCK_EXEC`, else next to the current
+/// executable (or one directory up, for test binaries in `target/<profile>/deps`), else on `PATH`.
+fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    if let Some(path) = explicit {
+        return Ok(path.to_path_buf());
+    }
+    if let Some(path) = std::env::var_os(HELPER_ENV) {
+        return Ok(PathBuf::from(path));
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .map(|dir| {
+            let up = dir.parent().map(|up| up.join(HELPER_NAME));
+            std::iter::once(dir.join(HELPER_NAME))
+                .chain(up)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    beside
+        .into_iter()
+        .find(|candidate| host::is_executable(candidate))
+        .or_else(|| host::find_program(HELPER_NAME, &[]))
+        .ok_or_else(|| {
+            format!(
+                "the `{HELPER_NAME}` helper was not found next to the broker's executable, on PATH, or in \
+                 ${HELPER_ENV} (install it: `cargo install --path crates/runtime-local --bin {HELPER_NAME}`)"
+            )
+        })
+}
+
+/// A helper that works here: found, and able to restrict itself (so the kernel enforces Landlock).
+///
+/// # Errors
+///
+/// Why not, in a few words.
+pub(super) fn find_working(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    if landlock_rules::kernel_abi().is_none() {
+        return Err(
+            "this kernel does not enforce landlock (it needs Linux 5.13 or later with `landlock` \
+                    in the `lsm=` boot parameter)"
+                .to_owned(),
+        );
+    }
+    let helper = locate(explicit)?;
+    if !host::is_executable(&helper) {
+        return Err(format!(
+            "the landlock helper {} is not an executable file",
+            helper.display()
+        ));
+    }
+    let probes = PROBES.get_or_init(Mutex::default);
+    if let Some(result) = probes.lock().get(&helper) {
+        return result.clone().map(|()| helper);
+    }
+    let result = host::probe(&helper, ["--probe"]);
+    probes.lock().insert(helper.clone(), result.clone());
+    result.map(|()| helper)
+}
+
+/// The helper's arguments that run `spec` restricted to its own storage, read-only system paths
+/// and read-only inputs, as the session's uid.
+///
+/// # Errors
+///
+/// [`Error::Backend`] (not retryable) if the broker is root but the session has no uid (the agent
+/// would run as root, which Landlock alone does not contain), or the session has a uid the broker
+/// cannot switch to.
+pub(super) fn helper_args(
+    layout: &HostLayout,
+    readonly: &[ReadonlyMount],
+    spec: &LaunchSpec<'_>,
+) -> Result<Vec<OsString>, Error> {
+    match spec.uid {
+        Some(uid) if !layout.root => return Err(super::cannot_switch(spec.id, uid)),
+        None if layout.root => {
+            return Err(Error::Backend {
+                runtime: crate::RUNTIME,
+                retryable: false,
+                message: format!(
+                    "session {} has no uid of its own, and landlock will not run an agent as root",
+                    spec.id
+                ),
+                source: None,
+            })
+        }
+        _ => {}
+    }
+    Ok(rules(layout, readonly, spec).to_args(
+        spec.program.as_ref(),
+        &spec.args.iter().map(OsString::from).collect::<Vec<_>>(),
+    ))
+}
+
+/// The rules for `spec`.
+pub(crate) fn rules(layout: &HostLayout, readonly: &[ReadonlyMount], spec: &LaunchSpec<'_>) -> Rules {
+    // A link (`/bin -> usr/bin`) grants what it points to: Landlock rules follow links.
+    let mut read: Vec<PathBuf> = layout
+        .system
+        .iter()
+        .map(|entry| entry.path().to_path_buf())
+        .collect();
+    read.push(PathBuf::from("/proc"));
+    read.extend(layout.resolv_conf.iter().cloned());
+    read.extend(readonly.iter().map(|mount| mount.host().to_path_buf()));
+    let program = Path::new(spec.program);
+    if program.is_absolute() {
+        if let Ok(real) = std::fs::canonicalize(program) {
+            if !read.iter().any(|dir| real.starts_with(dir)) {
+                read.push(real);
+            }
+        }
+    }
+    let dirs = spec.dirs;
+    let mut write: Vec<PathBuf> = [&dirs.workspace, &dirs.home, &dirs.tmp, &dirs.state]
+        .into_iter()
+        .cloned()
+        .collect();
+    write.extend(DEVICES.iter().map(PathBuf::from).filter(|device| device.exists()));
+    Rules {
+        uid: spec.uid,
+        gid: spec.uid,
+        read,
+        write,
+    }
+}

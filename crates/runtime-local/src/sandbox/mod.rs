@@ -1,0 +1,544 @@
+//! How a session's agent is confined: plain, bubblewrap or Landlock; a uid per session; private
+//! storage; optional cgroup limits.
+//!
+//! [`Sandbox::detect`] turns the configured `sandbox` mode into a working mechanism (or a clear
+//! [`Error::InvalidConfig`]), once, when the runtime is built. Per session, the runtime then calls,
+//! in this order:
+//!
+//! 1. [`Sandbox::allocate_uid`]: a uid of the session's own when the broker runs as root;
+//! 2. [`Sandbox::prepare_storage`]: the session's directories made private to that uid;
+//! 3. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
+//!    environment, stdio and process group, and spawns it);
+//! 4. [`Sandbox::apply_limits`]: optional cgroup limits for the started worker;
+//! 5. [`Sandbox::release_uid`] when the session's storage is gone.
+//!
+//! # Modes
+//!
+//! **Plain** (`sandbox = "none"`): the agent is a plain child process running as the broker's
+//! user, as upstream OpenAB runs it. Nothing is isolated, and [`Sandbox::isolation`] says so.
+//!
+//! **Bubblewrap**: the agent runs under `bwrap` in new pid, ipc and uts namespaces (and a new,
+//! empty network namespace with `network = "none"`), in a new terminal session, killed when the
+//! broker dies. Its root is an empty tmpfs holding only: the system directories read-only
+//! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
+//! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
+//! and agent state at `/state` (read-write), the configured read-only inputs, and the agent
+//! program itself when it lives outside all of these. No other session's storage exists in its
+//! view, at any path. When the broker runs as root, bubblewrap sets up the sandbox as root and
+//! util-linux `setpriv` then switches to the session's uid and gid, clears supplementary groups,
+//! every capability set and sets `no_new_privs`, just before the agent is executed (bubblewrap's
+//! own `--uid` needs a user namespace, which a root broker does not use). `/etc/passwd` and
+//! `/etc/group` are covered by small generated files naming that uid `agent`, so programs that
+//! look their user up work. Without a uid (a broker that is not root) the agent runs as the
+//! broker's user with every capability dropped.
+//!
+//! **Landlock**: the agent is started through the `oab-landlock-exec` helper (a binary of this
+//! crate: it keeps `unsafe` code out of the broker, as the lints require), which restricts itself
+//! with Landlock and then executes the agent as the session's uid. The agent may read and execute
+//! the system directories, `/proc` and the read-only inputs (at their host paths: Landlock cannot
+//! move them), read and write a few device files (`/dev/null`, `/dev/zero`, `/dev/full`,
+//! `/dev/random`, `/dev/urandom`), and do anything in its own session directories; everything else
+//! is denied, and it can neither signal nor reach the abstract UNIX sockets of processes outside
+//! its sandbox. It sees host paths ([`Sandbox::worker_paths`]); `TMPDIR` must point at the
+//! session's tmp. Landlock does not stop `stat` on a known path, so existence is hidden only by a
+//! distinct uid per session plus private directories ([`Sandbox::prepare_storage`]). It cannot
+//! provide `network = "none"` (it filters TCP but not UDP), so that combination is refused. The
+//! helper is looked for in `OAB_LANDLOCK_EXEC`, then next to the broker's executable (and one
+//! directory up, for test binaries in `target/*/deps`), then on `PATH`.
+//!
+//! # Per-session uids
+//!
+//! A broker running as root gives each session a uid (and a gid with the same number) from
+//! [`UID_RANGE`], skipping numbers the host already uses (`/etc/passwd`, `/etc/group`,
+//! `/etc/subuid`, `/etc/subgid`). A uid is claimed by atomically creating `root/.uids/<uid>`
+//! (content: the session id), so any number of broker processes sharing `root` never hand one uid
+//! to two live sessions. Plain mode allocates none: it keeps upstream's behaviour.
+//!
+//! # Limits
+//!
+//! [`Sandbox::apply_limits`] creates one cgroup per session (`openab-<session id>`, beside the
+//! broker's own cgroup) on cgroup v2, v1, or both (hybrid hosts: each controller from the
+//! hierarchy that has it, v2 preferred), and moves the worker and all its descendants in.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use session_runtime::config::{NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode};
+use session_runtime::{Error, IsolationLevel, SessionId};
+
+use crate::layout::SessionDirs;
+
+// The submodules are crate-visible for the tests in `tests/sandbox.rs`, which compile this module in.
+pub(crate) mod bwrap;
+pub(crate) mod cgroup;
+pub(crate) mod host;
+pub(crate) mod landlock_exec;
+#[allow(dead_code)] // `restrict_self` and `parse` are for the helper binary, which shares the file
+pub(crate) mod landlock_rules;
+pub(crate) mod storage;
+pub(crate) mod uids;
+
+pub(crate) use cgroup::LimitsHandle;
+pub(crate) use uids::UID_RANGE;
+
+/// The configuration key every sandbox problem is reported under.
+const SANDBOX_KEY: &str = "session_runtime.local.sandbox";
+/// The configuration key of read-only inputs.
+const READONLY_KEY: &str = "session_runtime.local.readonly";
+/// The configuration key of the network mode.
+const NETWORK_KEY: &str = "session_runtime.local.network";
+
+/// The workspace inside a bubblewrap sandbox (the agent's working directory).
+pub(crate) const SANDBOX_WORKSPACE: &str = "/workspace";
+/// HOME inside a bubblewrap sandbox.
+pub(crate) const SANDBOX_HOME: &str = "/home/agent";
+/// The session's scratch directory inside a bubblewrap sandbox.
+pub(crate) const SANDBOX_TMP: &str = "/tmp";
+/// The session's agent state inside a bubblewrap sandbox.
+pub(crate) const SANDBOX_STATE: &str = "/state";
+
+/// How to install bubblewrap, for error messages.
+const INSTALL_BUBBLEWRAP: &str = "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; \
+    Fedora/RHEL: `dnf install bubblewrap`; Alpine: `apk add bubblewrap`)";
+
+/// Whether the broker runs as root (effective uid 0).
+pub(crate) fn running_as_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// The confinement mechanism a [`Sandbox`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum SandboxKind {
+    /// None: plain child processes.
+    None,
+    /// Bubblewrap namespaces.
+    Bubblewrap,
+    /// Landlock filesystem rules.
+    Landlock,
+}
+
+impl SandboxKind {
+    /// The lower-case name: `none`, `bubblewrap` or `landlock`.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            SandboxKind::None => "none",
+            SandboxKind::Bubblewrap => "bubblewrap",
+            SandboxKind::Landlock => "landlock",
+        }
+    }
+}
+
+impl fmt::Display for SandboxKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where the agent finds its storage, as paths it can use (in-sandbox paths for bubblewrap, host
+/// paths otherwise).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct WorkerPaths {
+    /// The working directory (the `cwd` the broker sends in `session/new`).
+    pub(crate) workspace: String,
+    /// HOME.
+    pub(crate) home: String,
+    /// The scratch directory (`TMPDIR`).
+    pub(crate) tmp: String,
+    /// The agent state directory.
+    pub(crate) state: String,
+}
+
+/// What to start for a session.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaunchSpec<'a> {
+    /// The session.
+    pub(crate) id: &'a SessionId,
+    /// The agent program: a path, or a name looked up on the `PATH` of the environment the
+    /// caller sets.
+    pub(crate) program: &'a str,
+    /// Its arguments.
+    pub(crate) args: &'a [String],
+    /// The session's storage on the host.
+    pub(crate) dirs: &'a SessionDirs,
+    /// The session's uid from [`Sandbox::allocate_uid`], if any.
+    pub(crate) uid: Option<u32>,
+}
+
+/// Overrides for [`Sandbox::detect_with`]; the defaults find everything on the host.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DetectOptions {
+    /// The `bwrap` to use instead of searching `PATH` and `/usr/bin/bwrap`.
+    pub(crate) bwrap: Option<PathBuf>,
+    /// The `oab-landlock-exec` helper to use instead of searching for it.
+    pub(crate) landlock_helper: Option<PathBuf>,
+}
+
+/// A working confinement mechanism and its settings. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub(crate) struct Sandbox {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    backend: Backend,
+    network: NetworkMode,
+    readonly: Vec<ReadonlyMount>,
+    layout: host::HostLayout,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Backend {
+    Plain,
+    Bubblewrap { bwrap: PathBuf },
+    Landlock { helper: PathBuf },
+}
+
+impl Sandbox {
+    /// Resolves `mode` into a working mechanism on this host.
+    ///
+    /// `auto` picks bubblewrap if a working `bwrap` is on `PATH` or at `/usr/bin/bwrap` (it is
+    /// probed by running a trivial sandbox with the namespaces the sessions will use), else
+    /// Landlock if the kernel enforces it and the `oab-landlock-exec` helper is found and works,
+    /// else fails. `bubblewrap` and `landlock` insist on that mechanism. `none` is plain mode.
+    /// Probes of one `bwrap` are run once per process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] with key `session_runtime.local.sandbox` when the requested
+    /// mechanism (or, for `auto`, every mechanism) does not work here, saying why and how to
+    /// install bubblewrap or that `sandbox = "none"` accepts no isolation; with key
+    /// `session_runtime.local.readonly` for a read-only input whose host path is missing or whose
+    /// sandbox path would cover the sandbox's own directories; with key
+    /// `session_runtime.local.network` for `network = "none"` with Landlock (it cannot block UDP).
+    pub(crate) fn detect(
+        mode: SandboxMode,
+        network: NetworkMode,
+        readonly: &[ReadonlyMount],
+    ) -> Result<Self, Error> {
+        Self::detect_with(mode, network, readonly, &DetectOptions::default())
+    }
+
+    /// [`Sandbox::detect`] with explicit programs (tests, or a configured helper path).
+    ///
+    /// # Errors
+    ///
+    /// As for [`Sandbox::detect`].
+    pub(crate) fn detect_with(
+        mode: SandboxMode,
+        network: NetworkMode,
+        readonly: &[ReadonlyMount],
+        options: &DetectOptions,
+    ) -> Result<Self, Error> {
+        let layout = host::HostLayout::detect();
+        let backend = match mode {
+            SandboxMode::None => Backend::Plain,
+            SandboxMode::Bubblewrap => match bwrap::find_working(options.bwrap.as_deref(), network, &layout) {
+                Ok(bwrap) => Backend::Bubblewrap { bwrap },
+                Err(why) => {
+                    let reason = format!(
+                        "sandbox = \"bubblewrap\" does not work here: {why}; {INSTALL_BUBBLEWRAP}, \
+                         or choose sandbox = \"landlock\" or \"auto\""
+                    );
+                    return Err(invalid(SANDBOX_KEY, reason));
+                }
+            },
+            SandboxMode::Landlock => match landlock_exec::find_working(options.landlock_helper.as_deref()) {
+                Ok(helper) => Backend::Landlock { helper },
+                Err(why) => {
+                    let reason = format!(
+                        "sandbox = \"landlock\" does not work here: {why}; choose sandbox = \"bubblewrap\" \
+                         ({INSTALL_BUBBLEWRAP}) or \"auto\""
+                    );
+                    return Err(invalid(SANDBOX_KEY, reason));
+                }
+            },
+            SandboxMode::Auto => match bwrap::find_working(options.bwrap.as_deref(), network, &layout) {
+                Ok(bwrap) => Backend::Bubblewrap { bwrap },
+                Err(bwrap_problem) => match landlock_exec::find_working(options.landlock_helper.as_deref()) {
+                    Ok(helper) => {
+                        tracing::warn!(
+                            problem = %bwrap_problem,
+                            "bubblewrap does not work here; sandboxing sessions with landlock, which hides \
+                             other sessions' files but not that they exist unless each session has its own uid"
+                        );
+                        Backend::Landlock { helper }
+                    }
+                    Err(landlock_problem) => {
+                        return Err(invalid(
+                            SANDBOX_KEY,
+                            format!(
+                                "sandbox = \"auto\" found no working sandbox, so isolated sessions cannot start: \
+                                 bubblewrap: {bwrap_problem}; landlock: {landlock_problem}; {INSTALL_BUBBLEWRAP}, \
+                                 or set sandbox = \"none\" to accept no isolation between sessions"
+                            ),
+                        ))
+                    }
+                },
+            },
+            // `SandboxMode` is non-exhaustive: a mode this code does not know is refused.
+            other => {
+                let reason = format!("sandbox = \"{other}\" is not supported by this runtime");
+                return Err(invalid(SANDBOX_KEY, reason));
+            }
+        };
+        match &backend {
+            Backend::Plain => {}
+            Backend::Bubblewrap { .. } => bwrap::check_mounts(&layout, readonly)?,
+            Backend::Landlock { .. } => {
+                if network == NetworkMode::None {
+                    return Err(invalid(
+                        NETWORK_KEY,
+                        format!(
+                            "network = \"none\" needs bubblewrap, which does not work here; landlock can \
+                             only filter TCP, not UDP, so it cannot take the network away; {INSTALL_BUBBLEWRAP}, \
+                             or choose network = \"host\""
+                        ),
+                    ));
+                }
+                for mount in readonly {
+                    if mount.host() != mount.target() {
+                        tracing::warn!(
+                            mount = %mount,
+                            "landlock cannot move a read-only input: the agent reads it at its host path"
+                        );
+                    }
+                }
+            }
+        }
+        check_readonly_sources(readonly)?;
+        Ok(Self::from_parts(backend, network, readonly.to_vec(), layout))
+    }
+
+    /// A sandbox from already detected parts.
+    fn from_parts(
+        backend: Backend,
+        network: NetworkMode,
+        readonly: Vec<ReadonlyMount>,
+        layout: host::HostLayout,
+    ) -> Self {
+        Sandbox {
+            inner: Arc::new(Inner {
+                backend,
+                network,
+                readonly,
+                layout,
+            }),
+        }
+    }
+
+    /// The mechanism in use.
+    pub(crate) fn kind(&self) -> SandboxKind {
+        match self.inner.backend {
+            Backend::Plain => SandboxKind::None,
+            Backend::Bubblewrap { .. } => SandboxKind::Bubblewrap,
+            Backend::Landlock { .. } => SandboxKind::Landlock,
+        }
+    }
+
+    /// How strongly sessions are separated: `None` for plain mode, `Namespaces` otherwise.
+    pub(crate) fn isolation(&self) -> IsolationLevel {
+        match self.kind() {
+            SandboxKind::None => IsolationLevel::None,
+            SandboxKind::Bubblewrap | SandboxKind::Landlock => IsolationLevel::Namespaces,
+        }
+    }
+
+    /// What the agent sees of its storage: with bubblewrap the fixed paths [`SANDBOX_WORKSPACE`],
+    /// [`SANDBOX_HOME`], [`SANDBOX_TMP`] and [`SANDBOX_STATE`]; plain and Landlock: the host paths.
+    pub(crate) fn worker_paths(&self, dirs: &SessionDirs) -> WorkerPaths {
+        match self.kind() {
+            SandboxKind::Bubblewrap => WorkerPaths {
+                workspace: SANDBOX_WORKSPACE.to_owned(),
+                home: SANDBOX_HOME.to_owned(),
+                tmp: SANDBOX_TMP.to_owned(),
+                state: SANDBOX_STATE.to_owned(),
+            },
+            SandboxKind::None | SandboxKind::Landlock => WorkerPaths {
+                workspace: dirs.workspace.display().to_string(),
+                home: dirs.home.display().to_string(),
+                tmp: dirs.tmp.display().to_string(),
+                state: dirs.state.display().to_string(),
+            },
+        }
+    }
+
+    /// Whether sessions get a uid of their own: the broker runs as root and the mode isolates.
+    fn allocates_uids(&self) -> bool {
+        self.inner.layout.root && self.kind() != SandboxKind::None
+    }
+
+    /// The uid (and gid, the same number) the session's agent runs as, claimed under
+    /// `root/.uids/` (see the module documentation), or `None` when the agent runs as the
+    /// broker's user: the broker is not root, or the mode is plain.
+    ///
+    /// Idempotent: the session's existing uid is returned again. Calls for different sessions
+    /// may run concurrently, in any number of broker processes sharing `root`; calls for one
+    /// session must be serialized by the caller (its session lock).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if `root/.uids` cannot be read or written, or every uid of
+    /// [`UID_RANGE`] is taken.
+    pub(crate) fn allocate_uid(&self, root: &Path, id: &SessionId) -> Result<Option<u32>, Error> {
+        if !self.allocates_uids() {
+            return Ok(None);
+        }
+        let host_used = uids::HostIds::read();
+        uids::allocate_in(root, id, UID_RANGE, &host_used).map(Some)
+    }
+
+    /// Frees the uid claimed for `id`, if any. Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if `root/.uids` cannot be read or the claim cannot be removed.
+    pub(crate) fn release_uid(&self, root: &Path, id: &SessionId) -> Result<(), Error> {
+        uids::release_in(root, id)
+    }
+
+    /// Makes the session's storage private before any of its processes starts: the agent
+    /// directories (workspace, home, state, tmp) mode 0700 and, with a `uid`, owned by it
+    /// (recursively, without following links, the first time: e.g. a copied HOME template); the
+    /// session's base directory 0700 (with a `uid`: 0710, group `uid`, so the agent can reach its
+    /// directories in Landlock mode but not list the base or read the record); the parent `root`
+    /// 0711 (traversable, not listable).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if a directory cannot be changed.
+    pub(crate) fn prepare_storage(&self, dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
+        storage::prepare(dirs, uid)
+    }
+
+    /// The command that runs `spec.program` with `spec.args` for the session, confined by this
+    /// sandbox. The caller sets the environment (clearing it first; `HOME`, `TMPDIR` from
+    /// [`Sandbox::worker_paths`]), stdio, `process_group(0)`, and spawns it.
+    ///
+    /// Bubblewrap with a uid writes the sandbox's `/etc/passwd` and `/etc/group` into the
+    /// session's base directory first.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] (not retryable) if the session has a uid but the broker is not root and
+    /// cannot switch to it, or Landlock would run the agent as root (no uid while the broker is
+    /// root); [`Error::Backend`] if the generated identity files cannot be written.
+    pub(crate) fn command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
+        let inner = &*self.inner;
+        match &inner.backend {
+            Backend::Plain => {
+                let mut command = tokio::process::Command::new(spec.program);
+                command.args(spec.args);
+                if let Some(uid) = spec.uid {
+                    if !inner.layout.root {
+                        return Err(cannot_switch(spec.id, uid));
+                    }
+                    command.uid(uid).gid(uid);
+                }
+                Ok(command)
+            }
+            Backend::Bubblewrap { bwrap } => {
+                let identity = match spec.uid {
+                    Some(uid) if inner.layout.root && inner.layout.etc_identity => {
+                        Some(storage::write_identity_files(&spec.dirs.base, uid)?)
+                    }
+                    _ => None,
+                };
+                let args = bwrap::bwrap_args(
+                    &inner.layout,
+                    inner.network,
+                    &inner.readonly,
+                    spec,
+                    identity.as_ref(),
+                )?;
+                let mut command = tokio::process::Command::new(bwrap);
+                command.args(args);
+                Ok(command)
+            }
+            Backend::Landlock { helper } => {
+                let args = landlock_exec::helper_args(&inner.layout, &inner.readonly, spec)?;
+                let mut command = tokio::process::Command::new(helper);
+                command.args(args);
+                Ok(command)
+            }
+        }
+    }
+
+    /// Puts the worker `pid` (and every descendant it has by then) into a new cgroup
+    /// `openab-<id>` with `limits`, beside the broker's own cgroup: memory, pids and cpu from
+    /// cgroup v2 where the unified hierarchy offers them, else from their v1 hierarchies. The
+    /// memory and pids controllers are used whenever available, even without a limit, so that
+    /// [`LimitsHandle::usage`] can report them. An existing cgroup of that name is reused.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `session_runtime.local.limits` if a configured limit has
+    /// no usable controller (not mounted, not delegated to the broker, no permission), saying
+    /// which; [`Error::Backend`] for other failures. Nothing is left behind on error.
+    pub(crate) fn apply_limits(
+        &self,
+        id: &SessionId,
+        limits: &ResourceLimits,
+        pid: u32,
+    ) -> Result<LimitsHandle, Error> {
+        let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
+        host.apply(id, limits, pid)
+    }
+
+    /// Checks, without a worker, that [`Sandbox::apply_limits`] can apply `limits` here: the
+    /// controllers exist and a cgroup can be created and removed.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Sandbox::apply_limits`].
+    #[allow(dead_code)] // offered to the runtime: check configured limits once at startup
+    pub(crate) fn check_limits(&self, limits: &ResourceLimits) -> Result<(), Error> {
+        let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
+        host.check(limits)
+    }
+
+    /// The cgroup of a session left by an earlier broker process, if there is one (for
+    /// `reconcile`: remove it once the session's processes are gone).
+    #[allow(dead_code)] // offered to the runtime's `reconcile`
+    pub(crate) fn existing_limits(&self, id: &SessionId) -> Option<LimitsHandle> {
+        cgroup::CgroupHost::detect().ok()?.existing(id)
+    }
+}
+
+/// An [`Error::InvalidConfig`] for `key`.
+fn invalid(key: &str, reason: impl Into<String>) -> Error {
+    Error::InvalidConfig {
+        key: key.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// The error for a uid the broker cannot switch to.
+fn cannot_switch(id: &SessionId, uid: u32) -> Error {
+    Error::Backend {
+        runtime: crate::RUNTIME,
+        retryable: false,
+        message: format!(
+            "session {id} was provisioned to run as uid {uid}, but the broker is not root and cannot switch to it"
+        ),
+        source: None,
+    }
+}
+
+/// Every read-only input's host path must exist.
+fn check_readonly_sources(readonly: &[ReadonlyMount]) -> Result<(), Error> {
+    for (index, mount) in readonly.iter().enumerate() {
+        if let Err(error) = std::fs::metadata(mount.host()) {
+            return Err(invalid(
+                READONLY_KEY,
+                format!(
+                    "entry {} ({mount}): host path {}: {error}",
+                    index + 1,
+                    mount.host().display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

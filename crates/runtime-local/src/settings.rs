@@ -1,0 +1,218 @@
+//! [`LocalRuntimeBuilder`]: configuration of the local runtime, validated once in `build`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use session_runtime::config::{
+    LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode, SessionRuntimeConfig,
+};
+use session_runtime::{AgentCommand, Error, IsolationLevel, Result, RetentionPolicy, SessionIdentity};
+
+use crate::runtime::LocalRuntime;
+use crate::sandbox::Sandbox;
+
+/// Everything a built runtime needs, validated.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalSettings {
+    pub(crate) root: PathBuf,
+    pub(crate) installation: String,
+    /// `<installation>@<root device>.<root inode>`: which workers are this runtime's. Two
+    /// runtimes of one installation with different roots never touch each other's workers.
+    pub(crate) scope: String,
+    pub(crate) agent: AgentCommand,
+    pub(crate) retention: RetentionPolicy,
+    pub(crate) idle_ttl: Option<Duration>,
+    pub(crate) terminate_grace: Duration,
+    pub(crate) limits: Option<ResourceLimits>,
+    pub(crate) home_template: Option<PathBuf>,
+}
+
+/// Builds a [`LocalRuntime`].
+///
+/// ```no_run
+/// use runtime_local::LocalRuntime;
+/// use session_runtime::config::SandboxMode;
+/// use session_runtime::AgentCommand;
+///
+/// let runtime = LocalRuntime::builder(AgentCommand::new("claude-agent-acp"))
+///     .root("/var/lib/openab/sessions")
+///     .installation("prod-bot")
+///     .sandbox(SandboxMode::Bubblewrap)
+///     .build()?;
+/// # Ok::<(), session_runtime::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct LocalRuntimeBuilder {
+    agent: AgentCommand,
+    installation: String,
+    retention: RetentionPolicy,
+    idle_ttl: Option<Duration>,
+    local: LocalConfig,
+}
+
+impl LocalRuntime {
+    /// A builder running `agent` in every session, with the defaults of an empty
+    /// `[session_runtime]` section (sandbox `auto`).
+    pub fn builder(agent: AgentCommand) -> LocalRuntimeBuilder {
+        LocalRuntimeBuilder::from_config(&SessionRuntimeConfig::default(), agent)
+    }
+}
+
+impl LocalRuntimeBuilder {
+    /// A builder from a parsed `[session_runtime]` section (its `local` table and common keys).
+    pub fn from_config(config: &SessionRuntimeConfig, agent: AgentCommand) -> Self {
+        Self {
+            agent,
+            installation: config.installation.clone(),
+            retention: config.retention.clone(),
+            idle_ttl: config.idle_ttl,
+            local: config.local.clone(),
+        }
+    }
+
+    /// Where session storage lives (default: `/var/lib/openab/sessions` for root, else
+    /// `$XDG_STATE_HOME/openab/sessions` or `~/.local/state/openab/sessions`).
+    pub fn root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.local.root = Some(root.into());
+        self
+    }
+
+    /// The installation whose sessions this runtime serves.
+    pub fn installation(mut self, installation: impl Into<String>) -> Self {
+        self.installation = installation.into();
+        self
+    }
+
+    /// The sandbox mode.
+    pub fn sandbox(mut self, sandbox: SandboxMode) -> Self {
+        self.local.sandbox = sandbox;
+        self
+    }
+
+    /// Whether sandboxed sessions get a network.
+    pub fn network(mut self, network: NetworkMode) -> Self {
+        self.local.network = network;
+        self
+    }
+
+    /// Read-only inputs shared by every session (sandboxed modes only).
+    pub fn readonly(mut self, mounts: Vec<ReadonlyMount>) -> Self {
+        self.local.readonly = mounts;
+        self
+    }
+
+    /// A directory copied into every new session's HOME (agent credentials and configuration).
+    pub fn home_template(mut self, template: impl Into<PathBuf>) -> Self {
+        self.local.home_template = Some(template.into());
+        self
+    }
+
+    /// Per-session resource limits.
+    pub fn limits(mut self, limits: ResourceLimits) -> Self {
+        self.local.limits = Some(limits);
+        self
+    }
+
+    /// How long an agent gets between SIGTERM and SIGKILL.
+    pub fn terminate_grace(mut self, grace: Duration) -> Self {
+        self.local.terminate_grace = grace;
+        self
+    }
+
+    /// The retention policy applied at close.
+    pub fn retention(mut self, retention: RetentionPolicy) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// How long a worker may be idle before `reconcile` suspends it (`None`: never).
+    pub fn idle_ttl(mut self, idle_ttl: Option<Duration>) -> Self {
+        self.idle_ttl = idle_ttl;
+        self
+    }
+
+    /// Validates the configuration, picks the sandbox and prepares the root.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the key for a bad installation, a relative root, an empty
+    /// agent command, or a sandbox that cannot work here (with how to fix it);
+    /// [`Error::Backend`] if the root cannot be created.
+    pub fn build(self) -> Result<LocalRuntime> {
+        let invalid = |key: &str, reason: String| Error::InvalidConfig {
+            key: key.into(),
+            reason,
+        };
+        SessionIdentity::new(self.installation.as_str(), "probe", "probe", "probe")
+            .map_err(|e| invalid("session_runtime.installation", e.to_string()))?;
+        if self.agent.program.trim().is_empty() {
+            return Err(invalid("agent.command", "the agent command is empty".into()));
+        }
+        let root = match &self.local.root {
+            Some(root) if root.is_absolute() => root.clone(),
+            Some(root) => {
+                return Err(invalid(
+                    "session_runtime.local.root",
+                    format!("{} is not absolute", root.display()),
+                ))
+            }
+            None => default_root().ok_or_else(|| {
+                invalid(
+                    "session_runtime.local.root",
+                    "no default: neither HOME nor XDG_STATE_HOME is set".into(),
+                )
+            })?,
+        };
+        if let Some(template) = &self.local.home_template {
+            if !template.is_dir() {
+                return Err(invalid(
+                    "session_runtime.local.home_template",
+                    format!("{} is not a directory", template.display()),
+                ));
+            }
+        }
+        let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
+        let scope = prepare_root(&root, &self.installation)?;
+        if sandbox.isolation() == IsolationLevel::None {
+            tracing::warn!(
+                root = %root.display(),
+                "the local session runtime runs without a sandbox: sessions are NOT isolated from each other"
+            );
+        } else {
+            tracing::info!(root = %root.display(), sandbox = %sandbox.kind(), "local session runtime ready");
+        }
+        let settings = LocalSettings {
+            root,
+            installation: self.installation,
+            scope,
+            agent: self.agent,
+            retention: self.retention,
+            idle_ttl: self.idle_ttl,
+            terminate_grace: self.local.terminate_grace,
+            limits: self.local.limits,
+            home_template: self.local.home_template,
+        };
+        Ok(LocalRuntime::new(settings, sandbox))
+    }
+}
+
+fn default_root() -> Option<PathBuf> {
+    if rustix::process::geteuid().is_root() {
+        return Some(PathBuf::from("/var/lib/openab/sessions"));
+    }
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".local/state")))?;
+    Some(state.join("openab/sessions"))
+}
+
+/// Creates the root, traversable but not listable by others (0711): sessions reach their own
+/// directory by name only. Returns the runtime's scope (see [`LocalSettings::scope`]).
+fn prepare_root(root: &Path, installation: &str) -> Result<String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let fail = |e| Error::backend(crate::RUNTIME, false, format!("preparing {}", root.display()), e);
+    std::fs::create_dir_all(root).map_err(fail)?;
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(fail)?;
+    let meta = std::fs::metadata(root).map_err(fail)?;
+    Ok(format!("{installation}@{}.{}", meta.dev(), meta.ino()))
+}

@@ -1,0 +1,210 @@
+//! A running agent process: spawning it with upstream OpenAB's process handling, and its
+//! [`WorkerControl`].
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use rustix::process::Signal;
+use session_runtime::{ExitCell, Generation, Result, SessionId, WorkerControl, WorkerExit, WorkerFailure};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
+use tokio::process::{ChildStdin, ChildStdout, Command};
+
+use crate::process::{self, ProcessRef};
+
+/// Seconds since the epoch of the last byte through an attachment, shared with the runtime for
+/// idle detection.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Activity(Arc<AtomicU64>);
+
+impl Activity {
+    pub(crate) fn touch(&self) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default();
+        self.0.store(now, Ordering::Relaxed);
+    }
+
+    pub(crate) fn last(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(self.0.load(Ordering::Relaxed))
+    }
+}
+
+/// A started worker process and its pipes.
+#[derive(Debug)]
+pub(crate) struct Spawned {
+    pub(crate) worker: Arc<LocalWorker>,
+    pub(crate) stdout: ChildStdout,
+    pub(crate) stdin: ChildStdin,
+}
+
+/// Spawns `command` (already carrying its program, arguments, environment and working directory)
+/// as the leader of a new process group, with stderr logged and the child reaped by a task.
+pub(crate) fn spawn(
+    mut command: Command,
+    id: SessionId,
+    generation: Generation,
+) -> std::result::Result<Spawned, WorkerFailure> {
+    command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // The runtime, not the drop of a handle, decides when a worker ends.
+    command.kill_on_drop(false);
+    let mut child = command.spawn().map_err(|e| WorkerFailure::Spawn(e.to_string()))?;
+    let pid = child
+        .id()
+        .ok_or_else(|| WorkerFailure::Spawn("the agent exited at once".into()))?;
+    let process = ProcessRef::of(pid).unwrap_or(ProcessRef { pid, start_time: 0 });
+    let (Some(stdout), Some(stdin), Some(stderr)) =
+        (child.stdout.take(), child.stdin.take(), child.stderr.take())
+    else {
+        return Err(WorkerFailure::Spawn("the agent's pipes were not created".into()));
+    };
+    tokio::spawn(log_stderr(stderr, id, generation));
+    let exit = ExitCell::new();
+    {
+        let exit = exit.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            exit.set(match status {
+                Ok(status) => match (status.code(), status.signal()) {
+                    (Some(code), _) => WorkerExit::Code(code),
+                    (None, Some(signal)) => WorkerExit::Signal(signal),
+                    (None, None) => WorkerExit::Unknown,
+                },
+                Err(_) => WorkerExit::Unknown,
+            });
+        });
+    }
+    let worker = Arc::new(LocalWorker {
+        worker_id: format!("pid:{}@{}/g{generation}", process.pid, process.start_time),
+        generation,
+        process,
+        exit,
+    });
+    Ok(Spawned {
+        worker,
+        stdout,
+        stdin,
+    })
+}
+
+async fn log_stderr(stderr: impl AsyncRead + Unpin, id: SessionId, generation: Generation) {
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let line: String = line.chars().filter(|c| !c.is_control()).collect();
+        if !line.trim().is_empty() {
+            tracing::warn!(session = %id, generation, "agent stderr: {line}");
+        }
+    }
+}
+
+/// The control handle of a local worker.
+#[derive(Debug)]
+pub(crate) struct LocalWorker {
+    worker_id: String,
+    generation: Generation,
+    pub(crate) process: ProcessRef,
+    exit: ExitCell,
+}
+
+impl LocalWorker {
+    async fn stop(&self, grace: Duration) -> WorkerExit {
+        if let Some(exit) = self.exit.get() {
+            // The leader is gone; members of its tree may not be.
+            let _ = process::signal_tree(self.process, Signal::KILL);
+            return exit;
+        }
+        if !grace.is_zero() {
+            let _ = process::signal_tree(self.process, Signal::TERM);
+            if let Ok(exit) = tokio::time::timeout(grace, self.exit.wait()).await {
+                let _ = process::signal_tree(self.process, Signal::KILL);
+                return exit;
+            }
+        }
+        let _ = process::signal_tree(self.process, Signal::KILL);
+        self.exit.wait().await
+    }
+}
+
+#[async_trait]
+impl WorkerControl for LocalWorker {
+    fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    fn generation(&self) -> Generation {
+        self.generation
+    }
+
+    fn is_alive(&self) -> bool {
+        self.exit.get().is_none()
+    }
+
+    async fn terminate(&self, grace: Duration) -> Result<WorkerExit> {
+        Ok(self.stop(grace).await)
+    }
+
+    async fn kill(&self) -> Result<WorkerExit> {
+        Ok(self.stop(Duration::ZERO).await)
+    }
+
+    async fn wait(&self) -> Result<WorkerExit> {
+        Ok(self.exit.wait().await)
+    }
+}
+
+/// An agent stdout that records activity.
+#[derive(Debug)]
+pub(crate) struct Watched<T> {
+    pub(crate) inner: T,
+    pub(crate) activity: Activity,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let result = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if result.is_ready() {
+            self.activity.touch();
+        }
+        result
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let result = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if result.is_ready() {
+            self.activity.touch();
+        }
+        result
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

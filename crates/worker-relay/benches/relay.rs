@@ -1,0 +1,3 @@
+//! Relay benchmarks (placeholder).
+
+fn main() {}

@@ -1,0 +1,247 @@
+//! `oab-relay`: the worker's entrypoint. See the `worker_relay` crate documentation.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::signal::unix::{signal, SignalKind};
+use worker_relay::server::DEFAULT_PORT;
+use worker_relay::token::TOKEN_HASH_ENV;
+use worker_relay::{Overflow, Relay, RelayConfig, TokenHash};
+
+/// The worker relay: runs an ACP agent and serves its stdio to the broker over a resumable,
+/// fenced, framed protocol.
+#[derive(Debug, Parser)]
+#[command(name = "oab-relay", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the protocol and run the agent (started on the first valid hello).
+    Serve(Serve),
+    /// Bridge stdin/stdout to the local relay (for `kubectl exec -i <pod> -- oab-relay connect`).
+    Connect {
+        /// The relay's address.
+        #[arg(default_value_t = SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)))]
+        addr: SocketAddr,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum OverflowArg {
+    /// Stop reading the agent's output until the broker acknowledges some (lossless).
+    Block,
+    /// While no broker is connected, drop the oldest output (a later resume gets resume-gap).
+    Discard,
+}
+
+#[derive(Debug, clap::Args)]
+struct Serve {
+    /// TCP address for the framed protocol (repeatable); default 0.0.0.0:7780 unless --http is given.
+    #[arg(long)]
+    listen: Vec<SocketAddr>,
+    /// HTTP address for AgentCore's contract: GET /ping, WebSocket /ws, POST /invocations.
+    #[arg(long)]
+    http: Option<SocketAddr>,
+    /// The session id (default: $OAB_RELAY_SESSION).
+    #[arg(long)]
+    session: Option<String>,
+    /// The worker generation (default: $OAB_RELAY_GENERATION).
+    #[arg(long)]
+    generation: Option<u64>,
+    /// The agent's working directory (default: the current directory).
+    #[arg(long)]
+    workdir: Option<PathBuf>,
+    /// Bound of unacknowledged agent output kept for replay, in bytes.
+    #[arg(long, default_value_t = worker_relay::server::DEFAULT_REPLAY_BYTES)]
+    replay_bytes: usize,
+    /// What to do when the replay buffer is full.
+    #[arg(long, value_enum, default_value = "block")]
+    overflow: OverflowArg,
+    /// Heartbeat interval; a connection silent for three intervals is dropped.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    heartbeat: Duration,
+    /// How long a new connection has to say hello.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    handshake_timeout: Duration,
+    /// How long to wait after the agent's exit for a broker to acknowledge it.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+    linger: Duration,
+    /// On SIGTERM/SIGINT: how long the agent gets before SIGKILL.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    term_grace: Duration,
+    /// Reap only the agent, not every orphan (when something else is the init process).
+    #[arg(long)]
+    no_reap: bool,
+    /// The agent's argv.
+    #[arg(last = true, required = true)]
+    agent: Vec<OsString>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("oab-relay: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(serve) => run_serve(serve).await,
+            Command::Connect { addr } => run_connect(addr).await,
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1))
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OAB_RELAY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .init();
+}
+
+fn fail(message: &str) -> i32 {
+    eprintln!("oab-relay: {message}");
+    2
+}
+
+async fn run_serve(serve: Serve) -> i32 {
+    let Some(session) = serve.session.or_else(|| std::env::var("OAB_RELAY_SESSION").ok()) else {
+        return fail("no session: pass --session or set OAB_RELAY_SESSION");
+    };
+    let generation = match serve.generation {
+        Some(generation) => generation,
+        None => match std::env::var("OAB_RELAY_GENERATION").map(|g| g.trim().parse::<u64>()) {
+            Ok(Ok(generation)) => generation,
+            Ok(Err(_)) => return fail("OAB_RELAY_GENERATION is not a number"),
+            Err(_) => return fail("no generation: pass --generation or set OAB_RELAY_GENERATION"),
+        },
+    };
+    let token_hash = match std::env::var(TOKEN_HASH_ENV).map(|hex| TokenHash::from_hex(&hex)) {
+        Ok(Ok(hash)) => hash,
+        Ok(Err(why)) => return fail(&format!("{TOKEN_HASH_ENV}: {why}")),
+        Err(_) => return fail(&format!("{TOKEN_HASH_ENV} is not set")),
+    };
+    let mut config = RelayConfig::new(session, generation, token_hash, serve.agent)
+        .replay_bytes(serve.replay_bytes)
+        .overflow(match serve.overflow {
+            OverflowArg::Block => Overflow::Block,
+            OverflowArg::Discard => Overflow::Discard,
+        })
+        .heartbeat(serve.heartbeat)
+        .handshake_timeout(serve.handshake_timeout)
+        .linger(serve.linger)
+        .reap_orphans(!serve.no_reap);
+    if let Some(workdir) = serve.workdir {
+        config = config.working_dir(workdir);
+    }
+    let relay = match Relay::new(config) {
+        Ok(relay) => relay,
+        Err(error) => return fail(&error.to_string()),
+    };
+    if !serve.no_reap && std::process::id() != 1 {
+        // Orphaned descendants of the agent are re-parented to us, so we can reap them.
+        if let Err(error) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
+            tracing::warn!(%error, "cannot become a child subreaper");
+        }
+    }
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(term), Ok(int)) => (term, int),
+        (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
+    };
+    let mut listen = serve.listen;
+    if listen.is_empty() && serve.http.is_none() {
+        listen.push(SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)));
+    }
+    let mut announce = Vec::new();
+    for addr in listen {
+        let listener = match TcpListener::bind(addr).await {
+            Ok(listener) => listener,
+            Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
+        };
+        announce.push(format!("tcp {}", local_addr(&listener, addr)));
+        let relay = relay.clone();
+        tokio::spawn(async move { relay.serve_tcp(listener).await });
+    }
+    if let Some(addr) = serve.http {
+        let listener = match TcpListener::bind(addr).await {
+            Ok(listener) => listener,
+            Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
+        };
+        announce.push(format!("http {}", local_addr(&listener, addr)));
+        let relay = relay.clone();
+        tokio::spawn(async move { relay.serve_http(listener).await });
+    }
+    {
+        let mut stdout = std::io::stdout().lock();
+        for line in &announce {
+            let _ = writeln!(stdout, "oab-relay: listening on {line}");
+        }
+        let _ = stdout.flush();
+    }
+    tracing::info!(listeners = ?announce, generation, "relay ready");
+    let term_grace = serve.term_grace;
+    loop {
+        tokio::select! {
+            code = relay.finished() => return code,
+            _ = term.recv() => {
+                tracing::info!("SIGTERM: stopping the agent");
+                relay.terminate(term_grace);
+            }
+            _ = int.recv() => {
+                tracing::info!("SIGINT: stopping the agent");
+                relay.terminate(term_grace);
+            }
+        }
+    }
+}
+
+fn local_addr(listener: &TcpListener, asked: SocketAddr) -> SocketAddr {
+    listener.local_addr().unwrap_or(asked)
+}
+
+async fn run_connect(addr: SocketAddr) -> i32 {
+    let stream = match TcpStream::connect(addr).await {
+        Ok(stream) => stream,
+        Err(error) => return fail(&format!("cannot connect to {addr}: {error}")),
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut from_relay, mut to_relay) = stream.into_split();
+    let upstream = async move {
+        let mut stdin = tokio::io::stdin();
+        let _ = tokio::io::copy(&mut stdin, &mut to_relay).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut to_relay).await;
+        // Keep the other direction going until the relay closes.
+        std::future::pending::<()>().await;
+    };
+    let downstream = async move {
+        let mut stdout = tokio::io::stdout();
+        let copied = tokio::io::copy(&mut from_relay, &mut stdout).await;
+        let _ = tokio::io::AsyncWriteExt::flush(&mut stdout).await;
+        copied
+    };
+    tokio::select! {
+        () = upstream => 0,
+        copied = downstream => match copied {
+            Ok(_) => 0,
+            Err(error) => fail(&format!("bridge failed: {error}")),
+        },
+    }
+}

@@ -1,0 +1,157 @@
+//! The agent process: spawning it, pumping its stdout into the output log, reaping it (and,
+//! as an init process, every orphan), and signalling its process group.
+
+use std::io;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal, WaitOptions};
+use tokio::io::AsyncReadExt;
+use tokio::process::{ChildStdin, ChildStdout};
+use tokio::signal::unix::{signal, SignalKind};
+
+use super::Inner;
+use crate::protocol::{ExitStatus, RelaySignal};
+
+/// Bytes read from the agent's stdout at a time (and so the largest output data item).
+pub(crate) const READ_CHUNK: usize = 64 * 1024;
+
+/// A started agent: its pid (which is also its process group id) and stdin.
+pub(crate) struct Spawned {
+    pub(crate) pid: u32,
+    pub(crate) stdin: ChildStdin,
+}
+
+/// Starts the agent in its own process group, with stdout piped to the output log and stderr
+/// passed through, and starts the tasks that pump its output and reap it.
+pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
+    let config = &inner.config;
+    // Listen for SIGCHLD before the child exists, so its exit cannot be missed.
+    let sigchld = signal(SignalKind::child())?;
+    let mut command = std::process::Command::new(&config.program);
+    command
+        .args(&config.args)
+        .current_dir(&config.working_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("OAB_RELAY_") {
+            command.env_remove(key);
+        }
+    }
+    let mut child = command.spawn()?;
+    let pid = child.id();
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return Err(io::Error::other("the agent's pipes were not created"));
+    };
+    // The child is reaped by `reap` below, never through `child`.
+    drop(child);
+    let stdin = ChildStdin::from_std(stdin)?;
+    let stdout = ChildStdout::from_std(stdout)?;
+    tokio::spawn(pump_stdout(Arc::clone(inner), stdout));
+    tokio::spawn(reap(Arc::clone(inner), pid, sigchld));
+    Ok(Spawned { pid, stdin })
+}
+
+/// Moves the agent's stdout into the output log until EOF, respecting the log's bound.
+async fn pump_stdout(inner: Arc<Inner>, mut stdout: ChildStdout) {
+    let mut buf = vec![0u8; READ_CHUNK];
+    loop {
+        if !inner.wait_for_output_room().await {
+            break;
+        }
+        let read = tokio::select! {
+            read = stdout.read(&mut buf) => read,
+            () = inner.drain_deadline() => {
+                tracing::warn!("the agent exited but its stdout stays open (a descendant holds it); closing the stream");
+                break;
+            }
+        };
+        match read {
+            Ok(0) => break,
+            Ok(n) => inner.push_output(&buf[..n]),
+            Err(error) => {
+                tracing::warn!(%error, "reading the agent's stdout failed");
+                break;
+            }
+        }
+    }
+    inner.stdout_closed();
+}
+
+/// Reaps the agent (and, with `reap_orphans`, every other child that becomes a zombie) and
+/// records how the agent ended.
+async fn reap(inner: Arc<Inner>, pid: u32, mut sigchld: tokio::signal::unix::Signal) {
+    let Some(agent) = Pid::from_raw(pid as i32) else {
+        return;
+    };
+    let reap_all = inner.config.reap_orphans;
+    let mut agent_done = false;
+    loop {
+        loop {
+            let waited = if reap_all {
+                rustix::process::wait(WaitOptions::NOHANG)
+            } else {
+                rustix::process::waitpid(Some(agent), WaitOptions::NOHANG)
+            };
+            match waited {
+                Ok(Some((reaped, status))) => {
+                    if reaped == agent {
+                        let exit = if let Some(signal) = status.terminating_signal() {
+                            ExitStatus::Signal(signal)
+                        } else {
+                            ExitStatus::Code(status.exit_status().unwrap_or(-1))
+                        };
+                        agent_done = true;
+                        inner.agent_exited(exit);
+                    } else {
+                        tracing::debug!(pid = reaped.as_raw_nonzero().get(), "reaped an orphan");
+                    }
+                    if !reap_all {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    if error != rustix::io::Errno::CHILD {
+                        tracing::warn!(%error, "waitpid failed");
+                    }
+                    if !agent_done && !reap_all {
+                        // Someone else reaped it: the status is lost.
+                        agent_done = true;
+                        inner.agent_exited(ExitStatus::Code(-1));
+                    }
+                    break;
+                }
+            }
+        }
+        if agent_done && !reap_all {
+            return;
+        }
+        tokio::select! {
+            _ = sigchld.recv() => {}
+            // SIGCHLD can be coalesced or missed around a fork; poll now and then as well.
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            () = inner.done.cancelled() => return,
+        }
+    }
+}
+
+/// Sends `signal` to the agent's process group; `ESRCH` (nothing left) is not an error.
+pub(crate) fn signal_group(pid: u32, signal: RelaySignal) {
+    let Some(group) = Pid::from_raw(pid as i32) else {
+        return;
+    };
+    let signal = match signal {
+        RelaySignal::Terminate => Signal::TERM,
+        RelaySignal::Kill => Signal::KILL,
+        RelaySignal::Interrupt => Signal::INT,
+    };
+    match rustix::process::kill_process_group(group, signal) {
+        Ok(()) | Err(rustix::io::Errno::SRCH) => {}
+        Err(error) => tracing::warn!(%error, "signalling the agent's process group failed"),
+    }
+}

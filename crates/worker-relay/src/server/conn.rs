@@ -1,0 +1,263 @@
+//! One broker connection: the handshake, then a reader (broker frames) and a writer (agent
+//! output, acknowledgements, heartbeats) running independently, so neither direction ever waits
+//! on the other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{refuse, Inner, Refusal};
+use crate::protocol::{ErrorCode, Frame, FrameReader, Peer, ReadError, Seq, Welcome};
+
+/// Output bytes gathered per write batch.
+const BATCH_BYTES: usize = 256 * 1024;
+
+/// How long a closing writer may take to send its last frame.
+const CLOSE_PATIENCE: Duration = Duration::from_secs(5);
+
+enum Command {
+    Pong(u64),
+    Close(Refusal),
+}
+
+pub(super) async fn serve<S>(inner: Arc<Inner>, stream: S)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (read_half, mut write_half) = tokio::io::split(stream);
+    let mut reader = FrameReader::new(read_half, Peer::Broker);
+    let first = tokio::select! {
+        first = tokio::time::timeout(inner.config.handshake_timeout, reader.next()) => first,
+        () = inner.done.cancelled() => return,
+    };
+    let hello = match first {
+        Err(_) => {
+            let message = format!("no hello within {:?}", inner.config.handshake_timeout);
+            return refuse(&mut write_half, ErrorCode::HandshakeTimeout, message).await;
+        }
+        Ok(Err(ReadError::Frame(error))) => {
+            return refuse(&mut write_half, error.code(), error.to_string()).await;
+        }
+        Ok(Err(_) | Ok(None)) => return,
+        Ok(Ok(Some(Frame::Hello(hello)))) => hello,
+        Ok(Ok(Some(other))) => {
+            let message = format!("expected a hello, got {}", other.frame_type());
+            return refuse(&mut write_half, ErrorCode::UnexpectedFrame, message).await;
+        }
+    };
+    let accepted = match inner.accept_hello(&hello) {
+        Ok(accepted) => accepted,
+        Err((code, message)) => {
+            refuse(&mut write_half, code, message).await;
+            if code == ErrorCode::SpawnFailed {
+                inner.finish_spawn_failed();
+            }
+            return;
+        }
+    };
+    let id = accepted.id;
+    let superseded = accepted.superseded.clone();
+    tracing::info!(
+        id,
+        epoch = hello.epoch,
+        resume = hello.resume,
+        output_first = accepted.welcome.output_first,
+        "connection accepted"
+    );
+    let done = CancellationToken::new();
+    let (commands, command_rx) = mpsc::channel(16);
+    let mut writer = tokio::spawn(write_loop(
+        Arc::clone(&inner),
+        write_half,
+        id,
+        accepted.welcome,
+        superseded.clone(),
+        done.clone(),
+        command_rx,
+    ));
+    let refusal = read_loop(&inner, &mut reader, id, &superseded, &done, &commands).await;
+    match refusal {
+        Some(refusal) => {
+            tracing::info!(id, code = %refusal.0, message = %refusal.1, "closing a connection");
+            let _ = commands.send(Command::Close(refusal)).await;
+        }
+        // The writer sends `superseded` itself.
+        None if superseded.is_cancelled() => {}
+        None => done.cancel(),
+    }
+    if tokio::time::timeout(CLOSE_PATIENCE, &mut writer).await.is_err() {
+        writer.abort();
+    }
+    done.cancel();
+    inner.disconnected(id);
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(
+    inner: &Arc<Inner>,
+    reader: &mut FrameReader<R>,
+    id: u64,
+    superseded: &CancellationToken,
+    done: &CancellationToken,
+    commands: &mpsc::Sender<Command>,
+) -> Option<Refusal> {
+    let idle = inner.config.idle_timeout;
+    loop {
+        let next = tokio::select! {
+            biased;
+            () = done.cancelled() => return None,
+            () = superseded.cancelled() => return None,
+            () = inner.done.cancelled() => return None,
+            next = tokio::time::timeout(idle, reader.next()) => next,
+        };
+        let frame = match next {
+            Err(_) => return Some((ErrorCode::IdleTimeout, format!("nothing received for {idle:?}"))),
+            Ok(Err(ReadError::Frame(error))) => return Some((error.code(), error.to_string())),
+            Ok(Err(error)) => {
+                tracing::debug!(id, %error, "connection lost");
+                return None;
+            }
+            Ok(Ok(None)) => return None,
+            Ok(Ok(Some(frame))) => frame,
+        };
+        let handled = match frame {
+            Frame::Data { seq, payload } => inner.input(id, seq, Some(payload)).await,
+            Frame::Eof { seq } => inner.input(id, seq, None).await,
+            Frame::Ack { seq } => inner.output_ack(id, seq),
+            Frame::Ping { nonce } => {
+                let _ = commands.try_send(Command::Pong(nonce));
+                Ok(())
+            }
+            Frame::Pong { .. } => Ok(()),
+            Frame::Signal { signal, grace_ms } => {
+                if inner.is_current(id) {
+                    inner.signal(signal, grace_ms);
+                }
+                Ok(())
+            }
+            Frame::Error { code, message } => {
+                tracing::info!(id, %code, %message, "the broker closed the connection with an error");
+                return None;
+            }
+            Frame::Hello(_) => Err((
+                ErrorCode::UnexpectedFrame,
+                "a second hello on one connection".to_owned(),
+            )),
+            other @ (Frame::Welcome(_) | Frame::Exit { .. }) => Err((
+                ErrorCode::UnexpectedFrame,
+                format!("a broker does not send {}", other.frame_type()),
+            )),
+        };
+        if let Err(refusal) = handled {
+            return Some(refusal);
+        }
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    inner: Arc<Inner>,
+    writer: W,
+    id: u64,
+    welcome: Welcome,
+    superseded: CancellationToken,
+    done: CancellationToken,
+    mut commands: mpsc::Receiver<Command>,
+) {
+    let mut writer = BufWriter::with_capacity(64 * 1024, writer);
+    let mut next: Seq = welcome.output_first;
+    let mut ack_sent: Seq = welcome.input_acked;
+    if send(&mut writer, &[encode(&Frame::Welcome(welcome))], &done)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let heartbeat = inner.config.heartbeat;
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut nonce = 0u64;
+    let mut changed = inner.subscribe();
+    let mut batch = Vec::new();
+    loop {
+        changed.borrow_and_update();
+        loop {
+            batch.clear();
+            let Some((after, ack)) = inner.outgoing(id, next, BATCH_BYTES, &mut batch) else {
+                break;
+            };
+            if ack > ack_sent {
+                batch.push(encode(&Frame::Ack { seq: ack }));
+                ack_sent = ack;
+            }
+            if batch.is_empty() {
+                break;
+            }
+            if send(&mut writer, &batch, &done).await.is_err() {
+                done.cancel();
+                return;
+            }
+            next = after;
+        }
+        let frame = tokio::select! {
+            biased;
+            () = done.cancelled() => return,
+            () = superseded.cancelled() => {
+                let frame = Frame::error(ErrorCode::Superseded, "a newer connection took over");
+                let _ = send(&mut writer, &[encode(&frame)], &done).await;
+                let _ = writer.shutdown().await;
+                return;
+            }
+            command = commands.recv() => match command {
+                Some(Command::Pong(nonce)) => Frame::Pong { nonce },
+                Some(Command::Close((code, message))) => {
+                    let _ = send(&mut writer, &[encode(&Frame::error(code, message))], &done).await;
+                    let _ = writer.shutdown().await;
+                    return;
+                }
+                None => return,
+            },
+            changed = changed.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                continue;
+            }
+            _ = ping.tick() => {
+                nonce += 1;
+                Frame::Ping { nonce }
+            }
+        };
+        if send(&mut writer, &[encode(&frame)], &done).await.is_err() {
+            done.cancel();
+            return;
+        }
+    }
+}
+
+fn encode(frame: &Frame) -> Bytes {
+    let mut out = BytesMut::new();
+    // Frames built here are always within the protocol's limits.
+    let _ = frame.encode(&mut out);
+    out.freeze()
+}
+
+/// Writes and flushes `frames`, giving up when the connection is done.
+async fn send<W: AsyncWrite + Unpin>(
+    writer: &mut BufWriter<W>,
+    frames: &[Bytes],
+    done: &CancellationToken,
+) -> std::io::Result<()> {
+    let write = async {
+        for frame in frames {
+            writer.write_all(frame).await?;
+        }
+        writer.flush().await
+    };
+    tokio::select! {
+        written = write => written,
+        () = done.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
+    }
+}

@@ -1,0 +1,186 @@
+//! AgentCore's container contract on one port: `GET /ping`, `GET /ws` (the framed protocol in
+//! WebSocket binary messages) and `POST /invocations`. One request per connection.
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::WebSocketStream;
+
+use super::{AgentState, Relay};
+use crate::protocol::VERSION;
+
+/// The longest request head accepted.
+const MAX_HEAD: usize = 16 * 1024;
+/// The longest `/invocations` body accepted.
+const MAX_BODY: usize = 1 << 20;
+
+struct Request {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+    /// Bytes received after the head.
+    rest: Vec<u8>,
+}
+
+impl Request {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+
+    fn header_has_token(&self, name: &str, token: &str) -> bool {
+        self.header(name).is_some_and(|value| {
+            value
+                .split(',')
+                .any(|part| part.trim().eq_ignore_ascii_case(token))
+        })
+    }
+}
+
+pub(super) async fn serve(relay: Relay, mut stream: TcpStream) {
+    let patience = relay.inner.config.handshake_timeout;
+    let request = match tokio::time::timeout(patience, read_head(&mut stream)).await {
+        Ok(Ok(Some(request))) => request,
+        Ok(Ok(None)) => return respond(&mut stream, 400, "Bad Request", "bad request\n").await,
+        Ok(Err(_)) | Err(_) => return,
+    };
+    let path = request.path.split('?').next().unwrap_or_default().to_owned();
+    match (request.method.as_str(), path.as_str()) {
+        ("GET" | "HEAD", "/ping") => {
+            let (busy, last) = relay.inner.status_for_ping();
+            let status = if busy { "HealthyBusy" } else { "Healthy" };
+            let body = format!(r#"{{"status":"{status}","time_of_last_update":{last}}}"#);
+            respond_json(&mut stream, 200, "OK", &body).await;
+        }
+        ("GET", "/ws") => upgrade(relay, stream, &request).await,
+        ("POST", "/invocations") => {
+            if !drain_body(&mut stream, &request).await {
+                return respond(&mut stream, 413, "Payload Too Large", "body too large\n").await;
+            }
+            let status = relay.status();
+            let agent = match status.agent {
+                AgentState::NotStarted => "not-started",
+                AgentState::Running { .. } => "running",
+                AgentState::Exited { .. } => "exited",
+                AgentState::SpawnFailed { .. } => "spawn-failed",
+            };
+            let config = &relay.inner.config;
+            let body = format!(
+                concat!(
+                    r#"{{"relay":"oab-relay","protocol":{},"session":"{}","generation":{},"agent":"{}","#,
+                    r#""connected":{},"buffered_bytes":{},"output_last":{},"output_acked":{},"input_accepted":{}}}"#
+                ),
+                VERSION,
+                config.session,
+                config.generation,
+                agent,
+                status.connected,
+                status.buffered_bytes,
+                status.output_last,
+                status.output_acked,
+                status.input_accepted,
+            );
+            respond_json(&mut stream, 200, "OK", &body).await;
+        }
+        (_, "/ping" | "/ws" | "/invocations") => {
+            respond(&mut stream, 405, "Method Not Allowed", "method not allowed\n").await
+        }
+        _ => respond(&mut stream, 404, "Not Found", "not found\n").await,
+    }
+}
+
+/// Reads a request head; `None` if it is malformed or too long.
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut request = httparse::Request::new(&mut headers);
+        match request.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) => {
+                let method = request.method.unwrap_or_default().to_owned();
+                let path = request.path.unwrap_or_default().to_owned();
+                let headers = request
+                    .headers
+                    .iter()
+                    .map(|h| (h.name.to_owned(), String::from_utf8_lossy(h.value).into_owned()))
+                    .collect();
+                return Ok(Some(Request {
+                    method,
+                    path,
+                    headers,
+                    rest: buf[len..].to_vec(),
+                }));
+            }
+            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
+            Ok(httparse::Status::Partial) | Err(_) => return Ok(None),
+        }
+    }
+}
+
+/// Reads and discards the request body; `false` if it is too large or has no length.
+async fn drain_body(stream: &mut TcpStream, request: &Request) -> bool {
+    let length = match request.header("content-length") {
+        None => 0,
+        Some(value) => match value.trim().parse::<usize>() {
+            Ok(length) if length <= MAX_BODY => length,
+            _ => return false,
+        },
+    };
+    let mut remaining = length.saturating_sub(request.rest.len());
+    let mut chunk = [0u8; 8192];
+    while remaining > 0 {
+        match stream.read(&mut chunk[..remaining.min(8192)]).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => remaining -= n,
+        }
+    }
+    true
+}
+
+async fn upgrade(relay: Relay, mut stream: TcpStream, request: &Request) {
+    let key = request.header("sec-websocket-key").map(str::trim);
+    let acceptable = request.header_has_token("upgrade", "websocket")
+        && request.header_has_token("connection", "upgrade")
+        && request.header("sec-websocket-version").map(str::trim) == Some("13");
+    let (Some(key), true, true) = (key, acceptable, request.rest.is_empty()) else {
+        return respond(&mut stream, 400, "Bad Request", "not a websocket upgrade\n").await;
+    };
+    let response = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {}\r\n\r\n",
+        derive_accept_key(key.as_bytes())
+    );
+    if stream.write_all(response.as_bytes()).await.is_err() {
+        return;
+    }
+    let config = crate::transport::websocket_config();
+    let socket = WebSocketStream::from_raw_socket(stream, Role::Server, Some(config)).await;
+    relay
+        .serve_connection(crate::transport::websocket_stream(socket))
+        .await;
+}
+
+async fn respond_json(stream: &mut TcpStream, status: u16, reason: &str, body: &str) {
+    write_response(stream, status, reason, "application/json", body).await;
+}
+
+async fn respond(stream: &mut TcpStream, status: u16, reason: &str, body: &str) {
+    write_response(stream, status, reason, "text/plain; charset=utf-8", body).await;
+}
+
+async fn write_response(stream: &mut TcpStream, status: u16, reason: &str, content_type: &str, body: &str) {
+    let response = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}

@@ -1,0 +1,235 @@
+//! Byte transports the protocol runs over, and [`Connector`]s that open them: TCP (the Pod IP),
+//! a child process's stdio (`kubectl exec ... oab-relay connect`, the `pods/exec` reach) and a
+//! WebSocket (AgentCore's `/ws`).
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::pin::Pin;
+use std::process::Stdio;
+use std::task::{Context, Poll};
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+use crate::protocol::MAX_PAYLOAD;
+
+/// An ordered, reliable, full-duplex byte stream.
+pub trait ByteStream: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + ?Sized> ByteStream for T {}
+
+/// A boxed [`ByteStream`]: what a [`Connector`] opens.
+pub type Transport = Box<dyn ByteStream>;
+
+/// Opens a fresh transport to one relay; called again after every drop.
+#[async_trait]
+pub trait Connector: fmt::Debug + Send + Sync {
+    /// Opens a new transport.
+    ///
+    /// # Errors
+    /// Whatever prevented the connection; the client retries with backoff.
+    async fn connect(&self) -> io::Result<Transport>;
+}
+
+/// Connects over TCP (the worker's address and relay port).
+#[derive(Debug, Clone)]
+pub struct TcpConnector {
+    addr: String,
+}
+
+impl TcpConnector {
+    /// A connector to `addr` (`host:port`).
+    pub fn new(addr: impl Into<String>) -> Self {
+        Self { addr: addr.into() }
+    }
+}
+
+#[async_trait]
+impl Connector for TcpConnector {
+    async fn connect(&self) -> io::Result<Transport> {
+        let stream = TcpStream::connect(&self.addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Box::new(stream))
+    }
+}
+
+/// Runs a command per connection and speaks over its stdin and stdout, e.g.
+/// `kubectl exec -i <pod> -- /oab/oab-relay connect`. Its stderr goes to the broker's stderr; the
+/// process is killed when the transport is dropped.
+#[derive(Debug, Clone)]
+pub struct CommandConnector {
+    program: OsString,
+    args: Vec<OsString>,
+}
+
+impl CommandConnector {
+    /// A connector running `program` with `args`.
+    pub fn new(program: impl Into<OsString>, args: impl IntoIterator<Item = impl Into<OsString>>) -> Self {
+        Self {
+            program: program.into(),
+            args: args.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+#[async_trait]
+impl Connector for CommandConnector {
+    async fn connect(&self) -> io::Result<Transport> {
+        let mut child = Command::new(&self.program)
+            .args(&self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(io::Error::other("the command's pipes were not created"));
+        };
+        Ok(Box::new(CommandStream {
+            _child: child,
+            stdout,
+            stdin,
+        }))
+    }
+}
+
+/// A child process's stdout and stdin as one stream; dropping it kills the child.
+#[derive(Debug)]
+struct CommandStream {
+    _child: Child,
+    stdout: ChildStdout,
+    stdin: ChildStdin,
+}
+
+impl AsyncRead for CommandStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stdout).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CommandStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stdin).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stdin).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stdin).poll_shutdown(cx)
+    }
+}
+
+/// Connects to a relay's `/ws` over plain `ws://` (tests, or a relay behind a TLS-terminating
+/// proxy on the same host). AgentCore needs a SigV4-signed `wss://` handshake: its backend opens
+/// the socket itself and passes it to [`websocket_stream`].
+#[derive(Debug, Clone)]
+pub struct WebSocketConnector {
+    url: String,
+}
+
+impl WebSocketConnector {
+    /// A connector to `url`, e.g. `ws://127.0.0.1:8080/ws`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self { url: url.into() }
+    }
+}
+
+#[async_trait]
+impl Connector for WebSocketConnector {
+    async fn connect(&self) -> io::Result<Transport> {
+        let request = self
+            .url
+            .as_str()
+            .into_client_request()
+            .map_err(io::Error::other)?;
+        let uri = request.uri();
+        if uri.scheme_str() != Some("ws") {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "only ws:// URLs are supported here; open wss:// yourself and use websocket_stream",
+            ));
+        }
+        let host = uri.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+        let port = uri.port_u16().unwrap_or(80);
+        let stream = TcpStream::connect((host.as_str(), port)).await?;
+        stream.set_nodelay(true)?;
+        let (socket, _) =
+            tokio_tungstenite::client_async_with_config(request, stream, Some(websocket_config()))
+                .await
+                .map_err(io::Error::other)?;
+        Ok(Box::new(websocket_stream(socket)))
+    }
+}
+
+/// WebSocket limits for the protocol: a message never needs more than two frames' worth.
+pub(crate) fn websocket_config() -> WebSocketConfig {
+    WebSocketConfig::default()
+        .max_message_size(Some(2 * MAX_PAYLOAD))
+        .max_frame_size(Some(2 * MAX_PAYLOAD))
+}
+
+/// Turns an open WebSocket into a byte stream: bytes written go out as binary messages, and
+/// binary messages received are read back in order (message boundaries carry no meaning; the
+/// protocol's own framing does). A close or text message ends the stream. A task bridges the two;
+/// it ends when both sides are closed.
+pub fn websocket_stream<S>(socket: WebSocketStream<S>) -> DuplexStream
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (near, far) = tokio::io::duplex(256 * 1024);
+    tokio::spawn(bridge(socket, far));
+    near
+}
+
+async fn bridge<S>(socket: WebSocketStream<S>, far: DuplexStream)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut far_read, mut far_write) = tokio::io::split(far);
+    let (mut sink, mut stream) = socket.split();
+    let outgoing = async move {
+        let mut buf = BytesMut::with_capacity(64 * 1024);
+        loop {
+            buf.reserve(64 * 1024);
+            match far_read.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if sink.send(Message::Binary(buf.split().freeze())).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = sink.close().await;
+    };
+    let incoming = async move {
+        while let Some(message) = stream.next().await {
+            match message {
+                Ok(Message::Binary(bytes)) => {
+                    if far_write.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
+                Ok(Message::Close(_) | Message::Text(_)) | Err(_) => break,
+            }
+        }
+        let _ = far_write.shutdown().await;
+    };
+    tokio::join!(outgoing, incoming);
+}

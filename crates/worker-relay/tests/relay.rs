@@ -1,0 +1,505 @@
+//! The relay binary end to end: streams, exits, signals, reaping, heartbeats, the HTTP/WebSocket
+//! mode and the `connect` bridge.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{sh, within, RelayOptions, RelayProcess, PATIENCE, RELAY};
+use session_runtime::{Attachment, Error, WorkerExit};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use worker_relay::protocol::{Frame, FrameReader, Hello, Peer};
+use worker_relay::{CommandConnector, ErrorCode, WebSocketConnector};
+
+async fn read_line(attachment: &mut Attachment) -> String {
+    let mut line = Vec::new();
+    loop {
+        let mut byte = [0u8; 1];
+        let n = within("read", attachment.output().read(&mut byte))
+            .await
+            .expect("read output");
+        if n == 0 || byte[0] == b'\n' {
+            return String::from_utf8(line).expect("utf-8");
+        }
+        line.push(byte[0]);
+    }
+}
+
+async fn read_to_end(attachment: &mut Attachment) -> String {
+    let mut out = String::new();
+    within("read to end", attachment.output().read_to_string(&mut out))
+        .await
+        .expect("read to end");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoes_both_ways_and_reports_the_working_dir() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let relay = RelayProcess::start(
+        common::session("echo"),
+        &["cat".into()],
+        RelayOptions {
+            workdir: Some(dir.path().to_path_buf()),
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(attachment.working_dir(), dir.path().to_str().expect("utf-8 path"));
+    let input = attachment.input();
+    for i in 0..100 {
+        input.write_line(format!("line {i}")).await.expect("write");
+    }
+    for i in 0..100 {
+        assert_eq!(read_line(&mut attachment).await, format!("line {i}"));
+    }
+    input.close().await.expect("close stdin");
+    assert_eq!(read_to_end(&mut attachment).await, "");
+    let control = attachment.control();
+    assert_eq!(
+        within("wait", control.wait()).await.expect("wait"),
+        WorkerExit::Code(0)
+    );
+    assert!(!control.is_alive());
+    match input.write_line("late").await {
+        Err(Error::Disconnected { .. }) => {}
+        other => panic!("a write after the exit must be Disconnected, got {other:?}"),
+    }
+    let mut relay = relay;
+    assert_eq!(
+        relay.exit_code().await,
+        Some(0),
+        "the relay exits with the agent's code"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_exit_code_reaches_the_broker() {
+    let mut relay = RelayProcess::start(
+        common::session("exit"),
+        &sh("echo hello; exit 3"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_to_end(&mut attachment).await, "hello\n");
+    let exit = within("wait", attachment.control().wait()).await.expect("wait");
+    assert_eq!(exit, WorkerExit::Code(3));
+    assert_eq!(relay.exit_code().await, Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_from_outside_is_reported_with_its_signal() {
+    let mut relay = RelayProcess::start(
+        common::session("killed"),
+        &sh("echo $$; exec sleep 1000"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    let pid = read_line(&mut attachment).await;
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let exit = within("wait", attachment.control().wait()).await.expect("wait");
+    assert_eq!(exit, WorkerExit::Signal(9));
+    assert_eq!(relay.exit_code().await, Some(128 + 9));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_kill_and_terminate_go_through_the_relay() {
+    let relay = RelayProcess::start(
+        common::session("kill"),
+        &sh("echo ready; exec sleep 1000"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_line(&mut attachment).await, "ready");
+    let control = attachment.control();
+    assert!(control.is_alive());
+    assert_eq!(
+        within("kill", control.kill()).await.expect("kill"),
+        WorkerExit::Signal(9)
+    );
+    assert!(!control.is_alive());
+    // Idempotent.
+    assert_eq!(control.kill().await.expect("kill again"), WorkerExit::Signal(9));
+
+    let relay = RelayProcess::start(
+        common::session("terminate"),
+        &sh("echo ready; exec sleep 1000"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_line(&mut attachment).await, "ready");
+    let exit = within(
+        "terminate",
+        attachment.control().terminate(Duration::from_secs(20)),
+    )
+    .await
+    .expect("terminate");
+    assert_eq!(exit, WorkerExit::Signal(15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_ignoring_stdin_eof_and_sigterm_is_killed_after_the_grace() {
+    let relay = RelayProcess::start(
+        common::session("stubborn"),
+        &sh("trap '' TERM; echo ready; while :; do sleep 0.05; done"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_line(&mut attachment).await, "ready");
+    let control = attachment.control();
+    attachment.input().close().await.expect("close stdin");
+    // The agent ignores EOF: it is still running after a while.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), control.wait())
+            .await
+            .is_err(),
+        "the agent ignores stdin EOF"
+    );
+    assert!(control.is_alive());
+    let exit = within("terminate", control.terminate(Duration::from_millis(200)))
+        .await
+        .expect("terminate");
+    assert_eq!(exit, WorkerExit::Signal(9), "SIGKILL follows the grace period");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acp_agent_ignoring_stdin_eof_is_terminated() {
+    let agent = common::acp_test_agent();
+    let relay = RelayProcess::start(
+        common::session("acp-eof"),
+        &[agent.into(), "--ignore-stdin-eof".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    let input = attachment.input();
+    input
+        .write_line(r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1}}"#)
+        .await
+        .expect("write");
+    let answer = read_line(&mut attachment).await;
+    assert!(answer.contains(r#""id":1"#), "{answer}");
+    input.close().await.expect("close stdin");
+    let control = attachment.control();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), control.wait())
+            .await
+            .is_err(),
+        "the agent ignores stdin EOF"
+    );
+    let exit = within("terminate", control.terminate(Duration::from_secs(20)))
+        .await
+        .expect("terminate");
+    assert_eq!(exit, WorkerExit::Signal(15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_to_the_relay_is_forwarded_to_the_agent() {
+    let mut relay = RelayProcess::start(
+        common::session("sigterm"),
+        &sh("echo ready; exec sleep 1000"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_line(&mut attachment).await, "ready");
+    relay.signal("TERM");
+    let exit = within("wait", attachment.control().wait()).await.expect("wait");
+    assert_eq!(exit, WorkerExit::Signal(15));
+    assert_eq!(relay.exit_code().await, Some(128 + 15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_before_any_broker_ends_the_relay() {
+    let mut relay = RelayProcess::start(
+        common::session("idle-term"),
+        &["cat".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.exit_code().await, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_cannot_start_is_a_spawn_failure() {
+    let mut relay = RelayProcess::start(
+        common::session("spawn"),
+        &["/nonexistent/agent".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    match relay.attach_with(relay.config(1), relay.connector()).await {
+        Err(Error::WorkerFailed {
+            cause: session_runtime::WorkerFailure::Spawn(why),
+            ..
+        }) => assert!(why.contains("/nonexistent/agent"), "{why}"),
+        other => panic!("expected a spawn failure, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(relay.exit_code().await, Some(127));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphans_of_the_agent_are_reaped() {
+    let relay = RelayProcess::start(
+        common::session("orphans"),
+        &sh("(sleep 2 & echo $!); exec cat"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    let orphan = read_line(&mut attachment).await;
+    let proc_dir = std::path::PathBuf::from(format!("/proc/{orphan}"));
+    let relay_pid = relay.child.id().expect("relay pid").to_string();
+    // Its parent exited, so the orphan is re-parented to the relay (a child subreaper)...
+    within("orphan re-parented to the relay", async {
+        loop {
+            let stat = std::fs::read_to_string(proc_dir.join("stat")).expect("orphan still exists");
+            // pid (comm) state ppid ...
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().nth(1));
+            if ppid == Some(relay_pid.as_str()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // ...which must reap it when it exits, so its /proc entry disappears instead of staying a
+    // zombie.
+    within("orphan reaped", async {
+        while proc_dir.exists() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    attachment.input().close().await.expect("close");
+    assert_eq!(
+        within("wait", attachment.control().wait()).await.expect("wait"),
+        WorkerExit::Code(0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaching_keeps_the_agent_and_a_new_broker_resumes() {
+    let relay = RelayProcess::start(
+        common::session("detach"),
+        &["cat".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    let mut first = relay.attach().await;
+    first.input().write_line("one").await.expect("write");
+    assert_eq!(read_line(&mut first).await, "one");
+    let pid_before = first.control().worker_id().to_owned();
+    drop(first);
+    // A restarted broker: a newer epoch, a fresh client.
+    let (mut second, _) = relay
+        .attach_with(relay.config(2), relay.connector())
+        .await
+        .expect("re-attach");
+    assert_eq!(second.control().worker_id(), pid_before, "the same agent process");
+    second.input().write_line("two").await.expect("write");
+    assert_eq!(read_line(&mut second).await, "two");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_output_is_replayed_to_the_next_broker() {
+    let relay = RelayProcess::start(
+        common::session("replay"),
+        &sh("read x; i=0; while [ $i -lt 50 ]; do echo out-$i; i=$((i+1)); done; exec cat"),
+        RelayOptions::default(),
+    )
+    .await;
+    // A broker that never acknowledges: raw hello, one input line, then gone.
+    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
+        .await
+        .expect("connect");
+    let token = common::key().token(relay.session.as_str(), relay.generation);
+    let hello = Frame::Hello(Hello {
+        session: relay.session.as_str().to_owned(),
+        generation: relay.generation,
+        epoch: 1,
+        nonce: 1,
+        resume: 0,
+        token,
+    });
+    raw.write_all(&hello.to_bytes().expect("encode"))
+        .await
+        .expect("hello");
+    let go = Frame::Data {
+        seq: 1,
+        payload: bytes::Bytes::from_static(b"go\n"),
+    };
+    raw.write_all(&go.to_bytes().expect("encode"))
+        .await
+        .expect("data");
+    let (read_half, _write_half) = raw.into_split();
+    let mut reader = FrameReader::new(read_half, Peer::Relay);
+    let mut seen = 0;
+    while seen < 50 {
+        match within("frame", reader.next()).await.expect("frame") {
+            Some(Frame::Data { payload, .. }) => {
+                seen += payload.iter().filter(|b| **b == b'\n').count();
+            }
+            Some(_) => {}
+            None => panic!("relay closed"),
+        }
+    }
+    drop(reader);
+    let (mut attachment, _) = relay
+        .attach_with(relay.config(2), relay.connector())
+        .await
+        .expect("attach");
+    for i in 0..50 {
+        assert_eq!(read_line(&mut attachment).await, format!("out-{i}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_pings_and_drops_silent_connections() {
+    let relay = RelayProcess::start(
+        common::session("heartbeat"),
+        &["cat".into()],
+        RelayOptions {
+            extra: vec!["--heartbeat".into(), "100ms".into()],
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
+        .await
+        .expect("connect");
+    let hello = Frame::Hello(Hello {
+        session: relay.session.as_str().to_owned(),
+        generation: relay.generation,
+        epoch: 1,
+        nonce: 1,
+        resume: 0,
+        token: common::key().token(relay.session.as_str(), relay.generation),
+    });
+    raw.write_all(&hello.to_bytes().expect("encode"))
+        .await
+        .expect("hello");
+    let mut reader = FrameReader::new(raw, Peer::Relay);
+    let mut pings = 0;
+    let closing = loop {
+        match within("frame", reader.next()).await.expect("frame") {
+            Some(Frame::Ping { .. }) => pings += 1,
+            Some(Frame::Error { code, .. }) => break code,
+            Some(_) => {}
+            None => panic!("closed without an error frame"),
+        }
+    };
+    assert!(pings >= 1, "the relay sends heartbeats");
+    assert_eq!(closing, ErrorCode::IdleTimeout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_mode_serves_ping_and_the_protocol_over_websocket() {
+    let relay = RelayProcess::start(
+        common::session("http"),
+        &["cat".into()],
+        RelayOptions {
+            http: true,
+            tcp: false,
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let http = relay.http.expect("http listener");
+    let (status, body) = http_get(http, "/ping").await;
+    assert_eq!(status, 200);
+    assert!(body.starts_with(r#"{"status":"Healthy""#), "{body}");
+    assert_eq!(http_get(http, "/nothing").await.0, 404);
+
+    let connector = Arc::new(WebSocketConnector::new(format!("ws://{http}/ws")));
+    let (mut attachment, _) = relay
+        .attach_with(relay.config(1), connector)
+        .await
+        .expect("attach over websocket");
+    let input = attachment.input();
+    for i in 0..20 {
+        input.write_line(format!("ws {i}")).await.expect("write");
+    }
+    for i in 0..20 {
+        assert_eq!(read_line(&mut attachment).await, format!("ws {i}"));
+    }
+    let (status, body) = http_post(http, "/invocations", "{}").await;
+    assert_eq!(status, 200);
+    assert!(body.contains(r#""agent":"running""#), "{body}");
+    input.close().await.expect("close");
+    assert_eq!(
+        within("wait", attachment.control().wait()).await.expect("wait"),
+        WorkerExit::Code(0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_bridges_stdio_to_the_relay() {
+    let relay = RelayProcess::start(
+        common::session("bridge"),
+        &["cat".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    let connector = Arc::new(CommandConnector::new(
+        RELAY,
+        ["connect".to_owned(), relay.tcp.expect("tcp").to_string()],
+    ));
+    let (mut attachment, _) = relay
+        .attach_with(relay.config(1), connector)
+        .await
+        .expect("attach through the bridge");
+    attachment.input().write_line("bridged").await.expect("write");
+    assert_eq!(read_line(&mut attachment).await, "bridged");
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    http_request(addr, &format!("GET {path} HTTP/1.1\r\nHost: relay\r\n\r\n")).await
+}
+
+async fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    http_request(
+        addr,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: relay\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await
+}
+
+async fn http_request(addr: std::net::SocketAddr, request: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("request");
+    let mut response = String::new();
+    tokio::time::timeout(PATIENCE, stream.read_to_string(&mut response))
+        .await
+        .expect("response in time")
+        .expect("response");
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}

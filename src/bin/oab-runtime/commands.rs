@@ -1,0 +1,244 @@
+//! Every subcommand but `verify`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use openab_runtime::{
+    AgentCommand, CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime,
+    SessionStatus, StorageState, SuspendReason,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::settings::Settings;
+use crate::{Cli, CloseArg, Command, SuspendArg};
+
+pub(crate) type Outcome = Result<ExitCode, Box<dyn std::error::Error>>;
+
+pub(crate) async fn dispatch(cli: Cli) -> Outcome {
+    let settings = Settings::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::Verify { root } => crate::verify::run(settings, root).await,
+        Command::Run {
+            platform,
+            thread,
+            agent,
+            argv,
+        } => run(settings, &platform, &thread, &agent, argv).await,
+        Command::Ls => ls(&runtime(&settings, None)?).await,
+        Command::Status { id } => {
+            let status = runtime(&settings, None)?.status(&session_id(&id)?).await?;
+            println!("{}", serde_json::to_string_pretty(&status)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Suspend { id, reason } => {
+            runtime(&settings, None)?
+                .suspend(&session_id(&id)?, suspend_reason(reason))
+                .await?;
+            println!("suspended {id}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Close { id, reason } => {
+            runtime(&settings, None)?
+                .close(&session_id(&id)?, close_reason(reason))
+                .await?;
+            println!("closed {id}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Gc => {
+            let report = runtime(&settings, None)?.reconcile().await?;
+            println!("killed workers:    {}", report.killed_workers.len());
+            for (id, why) in &report.killed_workers {
+                println!("  {id}: {why}");
+            }
+            println!("finished closes:   {}", report.finished_closes.len());
+            println!("suspended (idle):  {}", report.suspended_idle.len());
+            println!("expired storage:   {}", report.expired_storage.len());
+            for error in &report.errors {
+                println!("error: {error}");
+            }
+            Ok(if report.errors.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::TestAgent { args } => Ok(test_agent(&args)),
+    }
+}
+
+/// Builds the configured runtime. Commands that start no agent still need an agent command to
+/// build one; without `[agent]` it is the bundled test agent.
+pub(crate) fn runtime(
+    settings: &Settings,
+    agent: Option<AgentCommand>,
+) -> Result<Arc<dyn SessionRuntime>, Error> {
+    let agent = match agent.or_else(|| settings.agent.clone()) {
+        Some(agent) => agent,
+        None => bundled_test_agent()?,
+    };
+    openab_runtime::from_config(&settings.runtime, &agent)
+}
+
+/// This very binary, in its hidden test-agent mode.
+pub(crate) fn bundled_test_agent() -> Result<AgentCommand, Error> {
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::backend("oab-runtime", false, "locating the oab-runtime binary", e))?;
+    Ok(AgentCommand::new(exe.display().to_string()).args(["__acp-test-agent"]))
+}
+
+fn session_id(text: &str) -> Result<SessionId, Error> {
+    SessionId::parse(text.trim())
+}
+
+fn suspend_reason(reason: SuspendArg) -> SuspendReason {
+    match reason {
+        SuspendArg::Idle => SuspendReason::Idle,
+        SuspendArg::Capacity => SuspendReason::Capacity,
+        SuspendArg::Shutdown => SuspendReason::Shutdown,
+        SuspendArg::Hung => SuspendReason::Hung,
+    }
+}
+
+fn close_reason(reason: CloseArg) -> CloseReason {
+    match reason {
+        CloseArg::Reset => CloseReason::Reset,
+        CloseArg::Ended => CloseReason::Ended,
+        CloseArg::Expired => CloseReason::Expired,
+    }
+}
+
+async fn ls(runtime: &Arc<dyn SessionRuntime>) -> Outcome {
+    let mut sessions = runtime.list().await?;
+    sessions.sort_by_key(|s| std::cmp::Reverse(s.last_activity));
+    println!(
+        "{:<20}  {:<9}  {:>4}  {:<32}  STORAGE",
+        "SESSION", "STATE", "GEN", "WORKER"
+    );
+    for status in &sessions {
+        println!("{}", row(status));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn row(status: &SessionStatus) -> String {
+    let worker = status
+        .worker
+        .as_ref()
+        .map(|w| w.worker_id.as_str())
+        .unwrap_or("-");
+    let storage = match status.storage {
+        StorageState::Present => "present".to_owned(),
+        StorageState::Retained { until } => format!("retained ({until:?})"),
+        StorageState::Deleted => "deleted".to_owned(),
+        _ => "unknown".to_owned(),
+    };
+    format!(
+        "{:<20}  {:<9}  {:>4}  {:<32}  {storage}",
+        status.id, status.state, status.generation, worker
+    )
+}
+
+async fn run(
+    settings: Settings,
+    platform: &str,
+    thread: &str,
+    agent_name: &str,
+    argv: Vec<String>,
+) -> Outcome {
+    let agent = argv
+        .split_first()
+        .map(|(program, args)| AgentCommand::new(program).args(args.iter().cloned()));
+    let runtime = runtime(&settings, agent)?;
+    let identity = SessionIdentity::new(
+        settings.runtime.installation.as_str(),
+        agent_name,
+        platform,
+        thread,
+    )?;
+    let handle = runtime.create(&identity, &CreateOptions::new()).await?;
+    eprintln!(
+        "session {} ({}, generation {}); attaching...",
+        handle.id,
+        if handle.created { "created" } else { "existing" },
+        handle.generation
+    );
+    let mut attachment = runtime.attach(&handle.id).await?;
+    eprintln!(
+        "attached: worker {} generation {}, cwd {}; speak ACP on stdin (one JSON-RPC message per line)",
+        attachment.control().worker_id(),
+        attachment.generation(),
+        attachment.working_dir()
+    );
+    let input = attachment.input();
+    let to_agent = tokio::spawn(async move {
+        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Err(error) = input.write_line(line).await {
+                eprintln!("oab-runtime: writing to the agent: {error}");
+                break;
+            }
+        }
+        let _ = input.close().await;
+    });
+    let mut stdout = tokio::io::stdout();
+    let copied = tokio::select! {
+        copied = tokio::io::copy(attachment.output(), &mut stdout) => copied.map(drop),
+        _ = tokio::signal::ctrl_c() => Ok(()),
+    };
+    let _ = stdout.flush().await;
+    to_agent.abort();
+    let exit = attachment.control();
+    drop(attachment);
+    runtime.suspend(&handle.id, SuspendReason::Shutdown).await?;
+    eprintln!(
+        "session {} suspended ({})",
+        handle.id,
+        if exit.is_alive() {
+            "worker stopped"
+        } else {
+            "worker ended"
+        }
+    );
+    copied?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn test_agent(args: &[String]) -> ExitCode {
+    let mut options = acp_test_agent::AgentOptions::default();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--ignore-stdin-eof" => options.ignore_stdin_eof = true,
+            "--state-dir" => options.state_dir = args.next().map(Into::into),
+            other => {
+                eprintln!("oab-runtime __acp-test-agent: unknown argument {other:?}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if options.state_dir.is_none() {
+        options.state_dir =
+            std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".acp-test-agent"));
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("oab-runtime __acp-test-agent: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(acp_test_agent::serve(
+        tokio::io::stdin(),
+        tokio::io::stdout(),
+        options,
+    )) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("oab-runtime __acp-test-agent: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

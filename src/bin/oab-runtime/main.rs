@@ -1,0 +1,135 @@
+//! `oab-runtime`: the operator's tool for OpenAB session runtimes.
+//!
+//! It reads an OpenAB configuration file (`[agent]` and `[session_runtime]`; with none, the local
+//! runtime with sandbox `auto`) and proves isolation (`verify`), runs a session by hand (`run`),
+//! and inspects and manages sessions (`ls`, `status`, `suspend`, `close`, `gc`).
+
+mod commands;
+mod settings;
+mod verify;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Operate OpenAB session runtimes: prove isolation, run and manage sessions.
+#[derive(Debug, Parser)]
+#[command(name = "oab-runtime", version)]
+struct Cli {
+    /// An OpenAB configuration file (`[agent]`, `[session_runtime]`); default: the local runtime,
+    /// sandbox `auto`.
+    #[arg(long, short, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Prove that two sessions cannot reach each other's files (the RFC's acceptance test, run from
+    /// a shell inside each session). Exit code 0 only if every probe was denied.
+    Verify {
+        /// Keep session storage under this root instead of a fresh temporary directory (when the
+        /// configuration names no root).
+        #[arg(long, value_name = "DIR")]
+        root: Option<PathBuf>,
+    },
+    /// Create (or reuse) the session of a thread, attach, and pipe the agent's ACP stdio to this
+    /// terminal. The session is suspended when stdin ends.
+    Run {
+        /// The platform part of the identity, e.g. `discord`.
+        #[arg(long)]
+        platform: String,
+        /// The thread id.
+        #[arg(long)]
+        thread: String,
+        /// The agent part of the identity.
+        #[arg(long, default_value = "default")]
+        agent: String,
+        /// The agent command, overriding `[agent]` in the configuration.
+        #[arg(last = true, value_name = "AGENT ARGV")]
+        argv: Vec<String>,
+    },
+    /// List sessions.
+    Ls,
+    /// Show one session.
+    Status {
+        /// The session id (20 characters).
+        id: String,
+    },
+    /// Release a session's compute and keep its storage.
+    Suspend {
+        /// The session id.
+        id: String,
+        /// Why.
+        #[arg(long, value_enum, default_value_t = SuspendArg::Idle)]
+        reason: SuspendArg,
+    },
+    /// End a session and apply the retention policy for the reason.
+    Close {
+        /// The session id.
+        id: String,
+        /// Why.
+        #[arg(long, value_enum)]
+        reason: CloseArg,
+    },
+    /// Reconcile: kill orphaned workers, finish interrupted closes, suspend idle sessions, expire
+    /// retained storage.
+    Gc,
+    /// Runs the bundled ACP test agent on stdio (used by `verify`).
+    #[command(name = "__acp-test-agent", hide = true)]
+    TestAgent {
+        /// Arguments of the test agent.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SuspendArg {
+    Idle,
+    Capacity,
+    Shutdown,
+    Hung,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum CloseArg {
+    Reset,
+    Ended,
+    Expired,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::TestAgent { args } = &cli.command {
+        return commands::test_agent(args);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("OAB_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("oab-runtime: cannot start: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(commands::dispatch(cli)) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("oab-runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
