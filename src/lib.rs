@@ -44,6 +44,8 @@
 
 use std::sync::Arc;
 
+pub mod compat;
+
 pub use session_runtime::*;
 
 #[cfg(feature = "local")]

@@ -97,9 +97,11 @@ fn frame() -> impl Strategy<Value = Frame> {
                     })
                 }
             ),
-        (1..u64::MAX, proptest::collection::vec(any::<u8>(), 0..512)).prop_map(|(seq, payload)| Frame::Data {
-            seq,
-            payload: Bytes::from(payload)
+        (1..u64::MAX, proptest::collection::vec(any::<u8>(), 0..512)).prop_map(|(seq, payload)| {
+            Frame::Data {
+                seq,
+                payload: Bytes::from(payload),
+            }
         }),
         any::<u64>().prop_map(|seq| Frame::Ack { seq }),
         (1..u64::MAX).prop_map(|seq| Frame::Eof { seq }),
