@@ -67,6 +67,6 @@ pub use identity::{SessionId, SessionIdentity};
 pub use retention::*;
 pub use runtime::{DynSessionRuntime, SessionRuntime};
 pub use state::{
-    Capabilities, CloseReason, CreateOptions, Generation, IsolationLevel, ReconcileReport, SessionHandle,
-    SessionState, SessionStatus, StorageState, SuspendReason, WorkerInfo, WorkspaceSeed,
+    Capabilities, CloseReason, CreateOptions, Generation, IsolationLevel, ReconcileReport, ResourceUsage,
+    SessionHandle, SessionState, SessionStatus, StorageState, SuspendReason, WorkerInfo, WorkspaceSeed,
 };

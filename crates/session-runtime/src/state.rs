@@ -178,6 +178,27 @@ pub struct SessionStatus {
     pub close_reason: Option<CloseReason>,
     /// Backend-specific references to its storage (directories, volume names), for operators.
     pub storage_refs: Vec<String>,
+    /// The running worker's resource limits and current usage, where the backend enforces limits.
+    pub resources: Option<ResourceUsage>,
+}
+
+/// A worker's resource limits and what it uses now. Every field is optional: a backend reports
+/// what it enforces and can read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ResourceUsage {
+    /// The memory limit in bytes.
+    pub memory_limit: Option<u64>,
+    /// Memory in use, in bytes.
+    pub memory_bytes: Option<u64>,
+    /// The limit on processes and threads.
+    pub pids_limit: Option<u32>,
+    /// Processes and threads running.
+    pub pids: Option<u64>,
+    /// The CPU limit, in cores.
+    pub cpu_limit: Option<f64>,
+    /// How many processes were killed for exceeding the memory limit.
+    pub oom_kills: Option<u64>,
 }
 
 impl SessionStatus {
@@ -194,6 +215,7 @@ impl SessionStatus {
             suspend_reason: None,
             close_reason: None,
             storage_refs: Vec::new(),
+            resources: None,
         }
     }
 }
