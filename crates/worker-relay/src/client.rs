@@ -22,10 +22,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
 use crate::protocol::{
-    Arrival, Frame, FrameReader, Hello, Peer, ReadError, RelaySignal, Seq, Sequencer, Welcome,
+    Arrival, DelayedAck, Frame, FrameReader, Hello, Peer, ReadError, RelaySignal, Seq, Sequencer, Welcome,
 };
 use crate::token::{BrokerKey, Token};
 use crate::transport::{Connector, Transport};
+
+/// How long a detaching client may take to deliver its last input and acknowledgement.
+const DETACH_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Largest input chunk put into one data frame.
 const INPUT_CHUNK: usize = 64 * 1024;
@@ -756,11 +759,33 @@ fn ack_input(state: &mut LinkState, seq: Seq) -> Option<Waker> {
 /// Runs one established connection until it ends.
 async fn run_connection(shared: &Arc<Shared>, mut reader: Reader, mut writer: Writer) -> ConnEnd {
     let sent_through = shared.state.lock().in_acked;
-    tokio::select! {
-        end = read_loop(shared, &mut reader) => end,
-        end = write_loop(shared, &mut writer, sent_through) => end,
-        () = shared.detached.cancelled() => ConnEnd::Finished,
-    }
+    let detached = tokio::select! {
+        end = read_loop(shared, &mut reader) => return end,
+        end = write_loop(shared, &mut writer, sent_through) => return end,
+        () = shared.detached.cancelled() => detach(shared, &mut reader, &mut writer),
+    };
+    let _ = tokio::time::timeout(DETACH_PATIENCE, detached).await;
+    ConnEnd::Finished
+}
+
+/// Closes a connection because the attachment was dropped: sends the input written so far (a
+/// write that returned `Ok` is delivered, as with a pipe) and an acknowledgement of the output
+/// received (so the next broker does not get it again), then closes gracefully.
+async fn detach(shared: &Shared, reader: &mut Reader, writer: &mut Writer) -> io::Result<()> {
+    let frames = {
+        let state = shared.state.lock();
+        let mut frames: Vec<Bytes> = state.in_unacked.iter().map(|(_, frame)| frame.clone()).collect();
+        let received = state.output.last();
+        if received > 0 {
+            frames.push(encode(&Frame::Ack { seq: received }));
+        }
+        frames
+    };
+    send(writer, &frames).await?;
+    writer.shutdown().await?;
+    // Drain until the relay closes its side, so no reset cuts off what was just written.
+    while let Ok(Some(_)) = reader.next().await {}
+    Ok(())
 }
 
 async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
@@ -894,7 +919,7 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
     let heartbeat = shared.config.heartbeat;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut ack_sent: Seq = 0;
+    let mut ack = DelayedAck::new(0);
     let mut signals_sent = 0u64;
     let mut nonce = 0u64;
     loop {
@@ -913,11 +938,6 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
                 frames.push(frame.clone());
                 sent_through = *seq;
             }
-            let received = state.output.last();
-            if received > ack_sent {
-                frames.push(encode(&Frame::Ack { seq: received }));
-                ack_sent = received;
-            }
             if let Some(nonce) = state.pong.take() {
                 frames.push(encode(&Frame::Pong { nonce }));
             }
@@ -926,6 +946,10 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
                 if let Some((signal, grace_ms)) = state.signal {
                     frames.push(encode(&Frame::Signal { signal, grace_ms }));
                 }
+            }
+            // The relay finishes once its exit report is acknowledged: do not make it wait.
+            if let Some(seq) = ack.take(state.output.last(), !frames.is_empty(), state.exited) {
+                frames.push(encode(&Frame::Ack { seq }));
             }
             Outgoing { frames, sent_through }
         };
@@ -939,6 +963,7 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
         }
         tokio::select! {
             () = shared.wake_writer.notified() => {}
+            () = crate::server::sleep_until(ack.deadline()) => {}
             _ = ping.tick() => {
                 nonce += 1;
                 if let Err(error) = send(writer, &[encode(&Frame::Ping { nonce })]).await {

@@ -4,12 +4,12 @@
 //! # Overview
 //!
 //! ```text
-//!  broker                                         worker (Pod or microVM)
-//! ┌──────────────────────────┐   TCP / exec stdio   ┌──────────────────────────┐
-//! │ RelayClient ─▶ Attachment│ ◀──── WebSocket ───▶ │ oab-relay serve -- agent │
-//! │  (reconnects, resumes)   │   framed protocol    │  (spawns, buffers, fences)│
-//! └──────────────────────────┘                      └─────────┬────────────────┘
-//!                                                             │ stdin/stdout pipes
+//!  broker                                        worker (Pod or microVM)
+//! +---------------------------+  TCP, exec stdio  +----------------------------+
+//! | RelayClient -> Attachment |<-- or WebSocket ->| oab-relay serve -- <agent> |
+//! | (reconnects, resumes)     |  framed protocol  | (spawns, buffers, fences)  |
+//! +---------------------------+                   +-------------+--------------+
+//!                                                               | stdin/stdout pipes
 //!                                                          agent (ACP)
 //! ```
 //!
@@ -52,6 +52,45 @@
 //! if it does not exceed the last accepted one of the same epoch), resume point (`resume-gap`). An
 //! accepted hello replaces the current connection, which is closed with `superseded`.
 //!
+//! # Guarantees
+//!
+//! - **Exactly once, in order, per client.** Each direction is a numbered stream of items kept by
+//!   its sender until acknowledged. After a transport drop the client reconnects (the first retry
+//!   at once, then with backoff), resumes the output after the last item it received and resends
+//!   the input the relay did not acknowledge; both sides drop duplicates and refuse gaps.
+//!   Acknowledgements ride along with other frames or follow within 5 ms / 8 items.
+//! - **Nothing is lost silently.** Agent output nobody acknowledged stays in the relay's bounded
+//!   buffer; by default ([`Overflow::Block`]) the relay stops reading the agent's stdout when the
+//!   buffer is full, so the agent waits instead of losing output. With [`Overflow::Discard`] the
+//!   oldest output is dropped while no broker is connected, and a broker that needs it is refused
+//!   with `resume-gap`.
+//! - **Takeover.** A client that takes over a running worker (a restarted broker, a new epoch)
+//!   receives the output no previous client acknowledged, then new output. A dropped attachment
+//!   first delivers the input written to it and acknowledges the output it received (best effort,
+//!   within 2 s).
+//! - **Independent directions.** Reading and writing never wait on each other, on either side, so
+//!   a `session/cancel` gets through while a turn streams to a broker that reads slowly.
+//! - **How it ended.** The relay reports the agent's exit code or signal as the last output item
+//!   and ends once a broker acknowledged it (or after `--linger`).
+//!
+//! # Errors
+//!
+//! The client keeps its failures private and converts them once into the contract's
+//! [`Error`](session_runtime::Error):
+//!
+//! | relay failure | contract error |
+//! |---|---|
+//! | `superseded`, `stale-epoch`, or the relay's input moved past this client's | `Fenced` (by the same generation) |
+//! | `resume-gap` | `Disconnected` |
+//! | `spawn-failed` | `WorkerFailed` with `WorkerFailure::Spawn` |
+//! | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version` | `Backend`, not retryable |
+//! | no connection within the reconnect budget on attach | `Backend`, retryable |
+//! | connection lost for longer than the reconnect budget | `Disconnected` |
+//!
+//! Reads report them inside an `std::io::Error` (recover with
+//! [`Error::from_io`](session_runtime::Error::from_io)) after the output received before them;
+//! writes through [`AgentInput`](session_runtime::AgentInput) report `Disconnected`.
+//!
 //! # Tokens
 //!
 //! The broker derives `token = HMAC-SHA256(broker key, u8 len ‖ session id ‖ u64be generation)`
@@ -90,6 +129,20 @@
 //! ARM64 use the `aarch64-*` triples.) The crate has no C dependencies, so either way the
 //! result needs nothing from the image. `tests/static_build.rs` checks it (ignored by default:
 //! it builds a release binary).
+
+//!
+//! # Testing
+//!
+//! - `cargo test -p worker-relay`: protocol and token unit tests; `oab-relay` processes driven
+//!   end to end (`tests/relay.rs`, `tests/fencing.rs`); 10,000 lines each way across 200 random
+//!   transport drops, cancel under a 50 MiB stream, memory with a full buffer
+//!   (`tests/reliability.rs`); the contract's conformance suite through a `RelayRuntime` whose
+//!   workers are `oab-relay serve -- acp-test-agent` (`tests/conformance.rs`); a bounded
+//!   randomized run of the decoder (`tests/decode_fuzz.rs`).
+//! - Fuzzing (nightly, or `RUSTC_BOOTSTRAP=1`):
+//!   `cd crates/worker-relay/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode -- -max_total_time=300`.
+//! - Benchmarks: `cargo bench -p worker-relay --bench relay` (ratios against a raw pipe and raw
+//!   loopback TCP in the same run, and the relay's memory with a full replay buffer).
 
 pub mod client;
 mod error;

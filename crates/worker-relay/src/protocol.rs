@@ -1151,6 +1151,50 @@ impl Sequencer {
     }
 }
 
+/// Acknowledge at the latest once this many items are unacknowledged.
+const ACK_EVERY: Seq = 8;
+
+/// Acknowledge at the latest this long after the first unacknowledged item arrived.
+const ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// Delayed acknowledgements: an ack rides along with other frames the writer sends anyway, and
+/// goes out on its own only once [`ACK_EVERY`] items are unacknowledged or the oldest of them
+/// waited [`ACK_DELAY`]. Halves the frames of a request-response exchange.
+#[derive(Debug)]
+pub(crate) struct DelayedAck {
+    sent: Seq,
+    due: Option<tokio::time::Instant>,
+}
+
+impl DelayedAck {
+    pub(crate) fn new(sent: Seq) -> Self {
+        Self { sent, due: None }
+    }
+
+    /// The ack to send now for `received`, if any. `piggyback`: other frames go out now;
+    /// `urgent`: the peer waits for this ack (e.g. for the agent's exit).
+    pub(crate) fn take(&mut self, received: Seq, piggyback: bool, urgent: bool) -> Option<Seq> {
+        if received <= self.sent {
+            self.due = None;
+            return None;
+        }
+        let now = tokio::time::Instant::now();
+        let due = *self.due.get_or_insert(now + ACK_DELAY);
+        if piggyback || urgent || received - self.sent >= ACK_EVERY || now >= due {
+            self.sent = received;
+            self.due = None;
+            Some(received)
+        } else {
+            None
+        }
+    }
+
+    /// When a pending ack must go out on its own.
+    pub(crate) fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.due
+    }
+}
+
 /// Why a frame could not be read from a stream.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -1199,7 +1243,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             }
             let buf = self.decoder.buffer_mut();
             if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(64 * 1024);
+                buf.reserve(256 * 1024);
             }
             if self.inner.read_buf(buf).await? == 0 {
                 return match self.decoder.buffered() {

@@ -143,7 +143,8 @@ async fn cancel_reaches_the_agent_while_50_mb_stream_to_a_slow_reader() {
         ))
         .await
         .expect("write prompt");
-    // Read slowly: a few chunks, with pauses.
+    // Read slowly: a few chunks with pauses, then nothing for a while, so that megabytes of
+    // output pile up in the relay's buffer, the pipes and the sockets.
     let mut chunks = 0;
     while chunks < 5 {
         let line = within("chunk", lines.next_line())
@@ -155,6 +156,7 @@ async fn cancel_reaches_the_agent_while_50_mb_stream_to_a_slow_reader() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let cancel =
         format!(r#"{{"jsonrpc":"2.0","method":"session/cancel","params":{{"sessionId":"{session}"}}}}"#);
     let sent = Instant::now();
@@ -230,7 +232,7 @@ async fn relay_memory_with_a_full_replay_buffer_stays_within_its_bound() {
         buffered / 1024,
     );
     assert!(
-        buffered <= REPLAY + 64 * 1024 + 64,
+        buffered <= REPLAY + 256 * 1024 + 64,
         "the buffer exceeds its bound: {buffered}"
     );
     // The buffer, one read, and the relay itself (a debug build, plus socket and allocator slack).

@@ -6,16 +6,22 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::{BufMut, BytesMut};
 use rustix::process::{Pid, Signal, WaitOptions};
 use tokio::io::AsyncReadExt;
 use tokio::process::{ChildStdin, ChildStdout};
 use tokio::signal::unix::{signal, SignalKind};
 
+use super::log::DATA_PREFIX;
 use super::Inner;
 use crate::protocol::{ExitStatus, RelaySignal};
 
 /// Bytes read from the agent's stdout at a time (and so the largest output data item).
-pub(crate) const READ_CHUNK: usize = 64 * 1024;
+pub(crate) const READ_CHUNK: usize = 256 * 1024;
+
+/// The size asked for the agent's stdin and stdout pipes (the kernel's default is 64 KiB):
+/// larger pipes mean fewer wake-ups per megabyte.
+const PIPE_SIZE: usize = 1 << 20;
 
 /// A started agent: its pid (which is also its process group id) and stdin.
 pub(crate) struct Spawned {
@@ -47,6 +53,9 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
         return Err(io::Error::other("the agent's pipes were not created"));
     };
+    // Best effort: an unprivileged process may be limited to less.
+    let _ = rustix::pipe::fcntl_setpipe_size(&stdin, PIPE_SIZE);
+    let _ = rustix::pipe::fcntl_setpipe_size(&stdout, PIPE_SIZE);
     // The child is reaped by `reap` below, never through `child`.
     drop(child);
     let stdin = ChildStdin::from_std(stdin)?;
@@ -58,13 +67,19 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
 
 /// Moves the agent's stdout into the output log until EOF, respecting the log's bound.
 async fn pump_stdout(inner: Arc<Inner>, mut stdout: ChildStdout) {
-    let mut buf = vec![0u8; READ_CHUNK];
+    let mut buf = BytesMut::new();
     loop {
         if !inner.wait_for_output_room().await {
             break;
         }
+        // Each item is split off the front of `buf` without copying; what is left of the
+        // allocation takes the next read, so small reads do not pin a buffer each.
+        buf.clear();
+        buf.reserve(DATA_PREFIX + READ_CHUNK);
+        buf.put_bytes(0, DATA_PREFIX);
+        let mut room = (&mut buf).limit(READ_CHUNK);
         let read = tokio::select! {
-            read = stdout.read(&mut buf) => read,
+            read = stdout.read_buf(&mut room) => read,
             () = inner.drain_deadline() => {
                 tracing::warn!("the agent exited but its stdout stays open (a descendant holds it); closing the stream");
                 break;
@@ -72,7 +87,7 @@ async fn pump_stdout(inner: Arc<Inner>, mut stdout: ChildStdout) {
         };
         match read {
             Ok(0) => break,
-            Ok(n) => inner.push_output(&buf[..n]),
+            Ok(_) => inner.push_output_frame(buf.split()),
             Err(error) => {
                 tracing::warn!(%error, "reading the agent's stdout failed");
                 break;

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{refuse, Inner, Refusal};
-use crate::protocol::{ErrorCode, Frame, FrameReader, Peer, ReadError, Seq, Welcome};
+use crate::protocol::{DelayedAck, ErrorCode, Frame, FrameReader, Peer, ReadError, Seq, Welcome};
 
 /// Output bytes gathered per write batch.
 const BATCH_BYTES: usize = 256 * 1024;
@@ -168,7 +168,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
 ) {
     let mut writer = BufWriter::with_capacity(64 * 1024, writer);
     let mut next: Seq = welcome.output_first;
-    let mut ack_sent: Seq = welcome.input_acked;
+    let mut ack = DelayedAck::new(welcome.input_acked);
     if send(&mut writer, &[encode(&Frame::Welcome(welcome))], &done)
         .await
         .is_err()
@@ -185,12 +185,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         changed.borrow_and_update();
         loop {
             batch.clear();
-            let Some((after, ack)) = inner.outgoing(id, next, BATCH_BYTES, &mut batch) else {
+            let Some((after, accepted)) = inner.outgoing(id, next, BATCH_BYTES, &mut batch) else {
                 break;
             };
-            if ack > ack_sent {
-                batch.push(encode(&Frame::Ack { seq: ack }));
-                ack_sent = ack;
+            if let Some(seq) = ack.take(accepted, !batch.is_empty(), false) {
+                batch.push(encode(&Frame::Ack { seq }));
             }
             if batch.is_empty() {
                 break;
@@ -229,6 +228,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 nonce += 1;
                 Frame::Ping { nonce }
             }
+            () = sleep_until(ack.deadline()) => continue,
         };
         if send(&mut writer, &[encode(&frame)], &done).await.is_err() {
             done.cancel();
@@ -259,5 +259,13 @@ async fn send<W: AsyncWrite + Unpin>(
     tokio::select! {
         written = write => written,
         () = done.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+pub(crate) async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
     }
 }

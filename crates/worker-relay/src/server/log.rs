@@ -6,6 +6,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::protocol::{ExitStatus, Frame, FrameType, Seq, HEADER_LEN, VERSION};
 
+/// Bytes before a data item's payload: the header and the sequence number.
+pub(crate) const DATA_PREFIX: usize = HEADER_LEN + 8;
+
 /// Agent output items (`data`, `eof`, `exit`) from the first unacknowledged one on, as encoded
 /// frames.
 #[derive(Debug)]
@@ -51,14 +54,24 @@ impl OutputLog {
     }
 
     /// Appends stdout bytes as a data item.
+    #[cfg(test)]
     pub(crate) fn push_data(&mut self, data: &[u8]) -> Seq {
-        let mut out = BytesMut::with_capacity(HEADER_LEN + 8 + data.len());
-        out.put_u8(VERSION);
-        out.put_u8(FrameType::Data.to_u8());
-        out.put_u32((8 + data.len()) as u32);
-        out.put_u64(self.next);
+        let mut out = BytesMut::with_capacity(DATA_PREFIX + data.len());
+        out.put_bytes(0, DATA_PREFIX);
         out.put_slice(data);
-        self.push(out.freeze())
+        self.push_data_frame(out)
+    }
+
+    /// Appends a data item whose payload follows [`DATA_PREFIX`] reserved bytes in `frame`,
+    /// filling in the header without copying the payload.
+    pub(crate) fn push_data_frame(&mut self, mut frame: BytesMut) -> Seq {
+        let len = frame.len() - HEADER_LEN;
+        let mut header = &mut frame[..DATA_PREFIX];
+        header.put_u8(VERSION);
+        header.put_u8(FrameType::Data.to_u8());
+        header.put_u32(len as u32);
+        header.put_u64(self.next);
+        self.push(frame.freeze())
     }
 
     pub(crate) fn push_eof(&mut self) -> Seq {

@@ -4,6 +4,8 @@
 mod agent;
 mod conn;
 mod http;
+
+pub(crate) use conn::sleep_until;
 mod log;
 
 use std::ffi::OsString;
@@ -114,7 +116,7 @@ impl RelayConfig {
     }
 
     /// The bound of unacknowledged agent output kept for replay (default
-    /// [`DEFAULT_REPLAY_BYTES`]). The buffer holds at most this plus one 64 KiB read.
+    /// [`DEFAULT_REPLAY_BYTES`]). The buffer holds at most this plus one 256 KiB read.
     pub fn replay_bytes(mut self, bytes: usize) -> Self {
         self.replay_bytes = bytes;
         self
@@ -224,7 +226,9 @@ pub struct RelayStatus {
 
 /// The relay: one per worker, serving one session generation.
 ///
-/// Cheap to clone; clones share the relay.
+/// Cheap to clone; clones share the relay. Use it within a Tokio runtime with I/O, time and
+/// signal handling enabled (`enable_all`): the agent is spawned, pumped and reaped from it. The
+/// `oab-relay` binary runs it on a current-thread runtime.
 #[derive(Debug, Clone)]
 pub struct Relay {
     inner: Arc<Inner>,
@@ -772,10 +776,10 @@ impl Inner {
         tokio::time::sleep(self.config.drain_grace).await;
     }
 
-    fn push_output(&self, data: &[u8]) {
+    fn push_output_frame(&self, frame: bytes::BytesMut) {
         {
             let mut state = self.state.lock();
-            state.log.push_data(data);
+            state.log.push_data_frame(frame);
             state.last_activity = unix_now();
         }
         self.bump();

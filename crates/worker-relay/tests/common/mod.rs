@@ -54,6 +54,17 @@ pub fn acp_test_agent() -> PathBuf {
             .expect("test binary in <target>/<profile>/deps")
             .to_path_buf();
         let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
+        let path = profile_dir.join("acp-test-agent");
+        // `cargo test --workspace` has built it already; rebuild only when its sources are newer.
+        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../acp-test-agent");
+        if let (Ok(built), Some(newest)) = (
+            std::fs::metadata(&path).and_then(|m| m.modified()),
+            newest_mtime(&sources),
+        ) {
+            if built >= newest {
+                return path;
+            }
+        }
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut build = std::process::Command::new(cargo);
         build
@@ -72,11 +83,27 @@ pub fn acp_test_agent() -> PathBuf {
         }
         let status = build.status().expect("run cargo build for acp-test-agent");
         assert!(status.success(), "building acp-test-agent failed");
-        let path = profile_dir.join("acp-test-agent");
         assert!(path.exists(), "{} missing after the build", path.display());
         path
     })
     .clone()
+}
+
+/// The newest modification time of the files under `dir`.
+fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+            let meta = entry.metadata().ok()?;
+            if meta.is_dir() {
+                pending.push(entry.path());
+            } else if let Ok(modified) = meta.modified() {
+                newest = newest.max(Some(modified));
+            }
+        }
+    }
+    newest
 }
 
 /// Options of a relay process.
