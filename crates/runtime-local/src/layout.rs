@@ -15,6 +15,7 @@
 //!
 //! Only a [`SessionId`] ever appears in these paths.
 
+use std::io;
 use std::path::{Path, PathBuf};
 
 use session_runtime::SessionId;
@@ -75,4 +76,20 @@ pub(crate) fn retained_dir(root: &Path) -> PathBuf {
 /// Where storage is moved before it is deleted.
 pub(crate) fn trash_dir(root: &Path) -> PathBuf {
     root.join(".trash")
+}
+
+/// Whether `path` exists as a directory itself: `Ok(false)` if nothing is there, an error if a
+/// symbolic link (to anything) or something else is. The runtime never reaches storage or its
+/// bookkeeping directories through a link: one planted under the root could point anywhere on
+/// the host, and what the runtime then wrote or deleted would be there.
+pub(crate) fn plain_dir(path: &Path) -> io::Result<bool> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => Ok(true),
+        Ok(_) => Err(io::Error::other(format!(
+            "{} is not a plain directory (a symbolic link, or not a directory)",
+            path.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
 }

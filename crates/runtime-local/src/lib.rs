@@ -19,8 +19,20 @@
 //! before its process starts; its pid and start time right after. After a broker is killed,
 //! [`reconcile`](session_runtime::SessionRuntime::reconcile) kills every orphaned worker tree of
 //! this installation (by recorded pid and start time, or by the marker its environment carries
-//! when no pid was recorded), finishes interrupted closes, suspends idle workers and expires
-//! retained storage.
+//! when no pid was recorded), records as suspended a running session whose worker died with the
+//! broker, finishes interrupted closes, suspends idle workers, expires retained storage, and
+//! releases what a killed broker left half-released (uid claims of sessions with no storage,
+//! empty cgroups of stopped workers). Stopping a worker waits until no process carrying its
+//! marker is left, so two generations of a session never run at once, not even for a moment.
+//!
+//! # Hostile state on disk
+//!
+//! Everything under the root is untrusted input. A record that does not parse, has an unknown
+//! version or field, or names another session is a typed error, and its storage is left in place
+//! (nothing is deleted that the runtime cannot prove it created). Session directories, records,
+//! lock files, the agent's directories and the bookkeeping directories (`.trash`, `.retained`,
+//! `.uids`) are never used through a symbolic link: a link planted there is an error, so nothing
+//! outside the root is ever created, written or deleted on its account.
 //!
 //! # Capabilities
 //!

@@ -31,6 +31,7 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
     kill_unrecorded_workers(runtime, &mut report);
     expire_retained(runtime, &mut report);
     empty_trash(runtime, &mut report);
+    runtime.release_unused_uids(&mut report).await;
     Ok(report)
 }
 
@@ -71,8 +72,18 @@ fn kill_unrecorded_workers(runtime: &LocalRuntime, report: &mut ReconcileReport)
     report.killed_workers.dedup();
 }
 
-fn retained_entries(runtime: &LocalRuntime) -> Vec<(SessionId, std::path::PathBuf)> {
-    let Ok(entries) = fs::read_dir(layout::retained_dir(&runtime.settings.root)) else {
+fn retained_entries(
+    runtime: &LocalRuntime,
+    report: &mut ReconcileReport,
+) -> Vec<(SessionId, std::path::PathBuf)> {
+    let dir = layout::retained_dir(&runtime.settings.root);
+    if let Err(error) = layout::plain_dir(&dir) {
+        report
+            .errors
+            .push(format!("retained storage: {error}; left alone"));
+        return Vec::new();
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
     };
     entries
@@ -88,7 +99,7 @@ fn retained_entries(runtime: &LocalRuntime) -> Vec<(SessionId, std::path::PathBu
 
 fn expire_retained(runtime: &LocalRuntime, report: &mut ReconcileReport) {
     let now = SystemTime::now();
-    for (id, path) in retained_entries(runtime) {
+    for (id, path) in retained_entries(runtime, report) {
         let dirs = SessionDirs::at(path.clone());
         let record = match record::load(&dirs.record(), &id) {
             Ok(Some(record)) => record,
@@ -132,7 +143,12 @@ fn expire_retained(runtime: &LocalRuntime, report: &mut ReconcileReport) {
 }
 
 fn empty_trash(runtime: &LocalRuntime, report: &mut ReconcileReport) {
-    let Ok(entries) = fs::read_dir(layout::trash_dir(&runtime.settings.root)) else {
+    let trash = layout::trash_dir(&runtime.settings.root);
+    if let Err(error) = layout::plain_dir(&trash) {
+        report.errors.push(format!("trash: {error}; left alone"));
+        return;
+    }
+    let Ok(entries) = fs::read_dir(trash) else {
         return;
     };
     for entry in entries.flatten() {

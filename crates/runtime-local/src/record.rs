@@ -8,6 +8,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::SystemTime;
 
@@ -172,11 +173,39 @@ fn corrupt(path: &Path, why: impl std::fmt::Display) -> Error {
     }
 }
 
+/// `O_NOFOLLOW`, for `OpenOptionsExt::custom_flags`: opening a symbolic link fails (`ELOOP`).
+pub(crate) fn no_follow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// Whether `dir` is a directory itself, not a symbolic link to one (or anything else).
+/// Session storage is never reached through a link: one planted in the root could point
+/// anywhere on the host.
+fn is_real_dir(dir: &Path) -> io::Result<bool> {
+    fs::symlink_metadata(dir).map(|meta| meta.is_dir())
+}
+
 /// Reads the record at `path`, which must belong to session `id`. `Ok(None)` if there is none.
+///
+/// Neither the record nor the session directory holding it may be a symbolic link: either is an
+/// error, never followed.
 pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>, Error> {
-    let file = match File::open(path) {
+    if let Some(dir) = path.parent() {
+        match is_real_dir(dir) {
+            Ok(true) => {}
+            Ok(false) => return Err(corrupt(path, "its session directory is not a plain directory")),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::backend(RUNTIME, true, "reading a session record", e)),
+        }
+    }
+    let opened = OpenOptions::new().read(true).custom_flags(no_follow()).open(path);
+    let file = match opened {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        // ELOOP: the record is a symbolic link.
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+            return Err(corrupt(path, "it is a symbolic link"))
+        }
         Err(e) => return Err(Error::backend(RUNTIME, true, "reading a session record", e)),
     };
     let meta = file
@@ -202,13 +231,22 @@ pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
     let dir = path
         .parent()
         .ok_or_else(|| fail(io::Error::other("a record path has a parent")))?;
+    if !is_real_dir(dir).map_err(fail)? {
+        return Err(corrupt(path, "its session directory is not a plain directory"));
+    }
     let temporary = dir.join(".record.json.tmp");
     let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(io::Error::other(e)))?;
     {
+        // A fresh file, never whatever is at the temporary name: a symbolic link planted there
+        // would otherwise have its target (anywhere on the host) overwritten.
+        match fs::remove_file(&temporary) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(fail(e)),
+        }
         let mut file = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .open(&temporary)
             .map_err(fail)?;
         file.write_all(&bytes).map_err(fail)?;

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -116,10 +117,13 @@ impl LocalRuntime {
         if held.lock.is_some() {
             return Ok(());
         }
+        // Never through a symbolic link: one planted as the lock would make this create a file
+        // wherever it points.
         let file = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .custom_flags(record::no_follow())
             .open(dirs.lock())
             .map_err(|e| storage_error("opening a session lock", e))?;
         match file.try_lock() {
@@ -145,16 +149,44 @@ impl LocalRuntime {
     /// Stops whatever worker the session has: this process's (fenced first), or one recorded by
     /// a broker that is gone.
     /// `fenced_by` is the generation taking over (the next one when a new worker replaces it).
+    ///
+    /// When it returns, no process of any of the session's workers is left (within
+    /// `ORPHAN_EXIT_WAIT`): the caller may start the next generation or release the storage.
     async fn stop_worker(&self, held: &mut Held, record: &SessionRecord, fenced_by: u64, grace: Duration) {
+        let had_worker = held.worker.is_some() || record.worker.is_some();
+        // Recorded, but not started by this process: its broker was killed.
+        let foreign = held.worker.is_none() && record.worker.is_some();
+        let mut limits = None;
         if let Some(live) = held.worker.take() {
             live.fence.fence(fenced_by);
             let _ = session_runtime::WorkerControl::terminate(live.control.as_ref(), grace).await;
-            if let Some(limits) = live.limits {
-                let _ = limits.remove();
-            }
+            limits = live.limits;
         }
         if let Some(worker) = record.worker {
             kill_recorded(&self.settings.scope, &record.id, &worker).await;
+        }
+        // The leader's exit does not mean its tree is gone: a sandbox's inner processes run in
+        // a session of their own and die (by `--die-with-parent`) only after bubblewrap exits,
+        // and a child the agent started may outlive it. Wait for every process carrying the
+        // session's marker to go before a new generation starts, so two generations never run
+        // (and touch storage) at once.
+        if had_worker {
+            kill_leftovers(&self.settings.scope, &record.id).await;
+        }
+        // A cgroup can only be removed once it is empty.
+        if let Some(limits) = limits {
+            if let Err(error) = limits.remove() {
+                tracing::warn!(session = %record.id, "{error}");
+            }
+        } else if foreign {
+            // A worker this process did not start (its broker was killed) may have left its
+            // cgroup behind, found by name. Its processes are gone (above), so it is empty
+            // unless another runtime uses that name: then it is left alone.
+            if let Some(limits) = self.sandbox.existing_limits(&record.id) {
+                if !limits.remove_if_empty() {
+                    tracing::warn!(session = %record.id, "a cgroup of this session's name is in use; left in place");
+                }
+            }
         }
     }
 
@@ -176,6 +208,26 @@ impl LocalRuntime {
                 state,
                 operation: "attach",
             });
+        }
+        // The agent's directories are bound into its sandbox or become its working directory:
+        // each must be the session's own directory, not a link planted to lead elsewhere.
+        for dir in dirs.agent_dirs() {
+            let plain = layout::plain_dir(dir).map_err(|e| {
+                Error::backend(
+                    RUNTIME,
+                    false,
+                    format!("session {id} storage was tampered with"),
+                    e,
+                )
+            })?;
+            if !plain {
+                return Err(Error::Backend {
+                    runtime: RUNTIME,
+                    retryable: false,
+                    message: format!("session {id} storage is incomplete: {} is missing", dir.display()),
+                    source: None,
+                });
+            }
         }
         self.own(held, id, &dirs, Some(&record))?;
         self.stop_worker(
@@ -399,7 +451,9 @@ impl LocalRuntime {
             _ => layout::trash_dir(&self.settings.root),
         };
         let moved = destination.join(format!("{id}.{}", record.incarnation));
-        fs::create_dir_all(&destination).map_err(|e| storage_error("preparing closed storage", e))?;
+        fs::create_dir_all(&destination)
+            .and_then(|()| layout::plain_dir(&destination))
+            .map_err(|e| storage_error("preparing closed storage", e))?;
         fs::rename(&dirs.base, &moved).map_err(|e| storage_error("moving closed storage", e))?;
         held.lock = None;
         // Retained storage stays owned by the session's user, so the user is kept until the
@@ -413,7 +467,9 @@ impl LocalRuntime {
 
     /// The newest retained record of `id`, with its directory.
     fn retained(&self, id: &SessionId) -> Option<(SessionRecord, PathBuf)> {
-        let entries = fs::read_dir(layout::retained_dir(&self.settings.root)).ok()?;
+        let dir = layout::retained_dir(&self.settings.root);
+        layout::plain_dir(&dir).ok()?;
+        let entries = fs::read_dir(dir).ok()?;
         entries
             .flatten()
             .filter_map(|entry| {
@@ -513,6 +569,30 @@ async fn kill_recorded(scope: &str, id: &SessionId, worker: &WorkerRecord) {
                 }
             }
         }
+    }
+}
+
+/// Kills every process that still carries a worker marker of session `id` (any generation), and
+/// waits a bounded time until none is left. A process that has begun exiting no longer shows its
+/// environment, so it counts as gone: it can no longer make a system call.
+async fn kill_leftovers(scope: &str, id: &SessionId) {
+    let prefix = format!("{WORKER_MARKER}={scope}:{id}:");
+    let deadline = tokio::time::Instant::now() + ORPHAN_EXIT_WAIT;
+    loop {
+        let left = process::with_environment_prefix(&prefix);
+        if left.is_empty() {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(session = %id, processes = left.len(), "worker processes survived SIGKILL");
+            return;
+        }
+        for (pid, _) in left {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -630,6 +710,94 @@ impl LocalRuntime {
             .collect())
     }
 
+    /// Releases the uid of every session that has no storage left, live or retained: a broker
+    /// killed between deleting a session's storage and releasing its uid leaves the claim behind
+    /// (`close` deletes first, so a uid never goes back into use while files still carry it).
+    /// Each session is checked under its lifecycle lock, so a `create` of this process cannot
+    /// pick the claim up in between.
+    pub(crate) async fn release_unused_uids(&self, report: &mut ReconcileReport) {
+        let holders = match self.sandbox.uid_holders(&self.settings.root) {
+            Ok(holders) => holders,
+            Err(error) => {
+                report.errors.push(format!("reading uid claims: {error}"));
+                return;
+            }
+        };
+        let retained = layout::retained_dir(&self.settings.root);
+        for holder in holders {
+            let Ok(id) = SessionId::parse(&holder) else {
+                continue;
+            };
+            let slot = self.slot(&id);
+            let _held = slot.held.lock().await;
+            let prefix = format!("{id}.");
+            let has_retained = fs::read_dir(&retained).is_ok_and(|mut entries| {
+                entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
+            });
+            // `symlink_metadata`: anything at the session's path, even a dangling link, counts.
+            if has_retained || fs::symlink_metadata(self.dirs(&id).base).is_ok() {
+                continue;
+            }
+            if let Err(error) = self.sandbox.release_uid(&self.settings.root, &id) {
+                report
+                    .errors
+                    .push(format!("session {id}: releasing its user: {error}"));
+            }
+        }
+    }
+
+    /// Takes the session's lock for `reconcile`, to repair what a broker that is gone left
+    /// behind. `Ok(false)`: a live broker owns the session.
+    ///
+    /// The lock of a broker killed a moment ago can outlive it: a worker it was starting holds a
+    /// copy of every descriptor (the lock's too) until it executes the agent. So while the
+    /// record names no live broker but this one, a held lock is waited for (polling, within
+    /// `ORPHAN_EXIT_WAIT`); otherwise the pass would skip the session and leave its orphan running.
+    async fn own_abandoned(&self, held: &mut Held, id: SessionId) -> Result<bool> {
+        let dirs = self.dirs(&id);
+        let deadline = tokio::time::Instant::now() + ORPHAN_EXIT_WAIT;
+        loop {
+            // Gone meanwhile (closed by the broker that held it): nothing to repair.
+            let Some(record) = self.load(&id)? else {
+                return Ok(false);
+            };
+            match self.own(held, id, &dirs, Some(&record)) {
+                Ok(()) => return Ok(true),
+                Err(Error::StorageInUse { .. }) => {}
+                Err(error) => return Err(error),
+            }
+            let abandoned = record
+                .worker
+                .is_none_or(|w| w.broker == self.broker || !w.broker.is_alive());
+            if !abandoned || tokio::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// [`own_abandoned`](Self::own_abandoned), and then only if the record is still `decided_on`
+    /// (what the caller decided from); if it changed while the lock was waited for, the lock is
+    /// let go again and the next pass decides afresh.
+    async fn own_unchanged(
+        &self,
+        held: &mut Held,
+        id: SessionId,
+        decided_on: &SessionRecord,
+    ) -> Result<bool> {
+        let had_lock = held.lock.is_some();
+        if !self.own_abandoned(held, id).await? {
+            return Ok(false);
+        }
+        if self.load(&id)?.as_ref() == Some(decided_on) {
+            return Ok(true);
+        }
+        if !had_lock {
+            held.lock = None;
+        }
+        Ok(false)
+    }
+
     /// One reconcile step for one live session.
     pub(crate) async fn reconcile_session(&self, id: SessionId, report: &mut ReconcileReport) -> Result<()> {
         let slot = self.slot(&id);
@@ -661,7 +829,7 @@ impl LocalRuntime {
         });
         let stray_held = held.worker.is_some() && (!state.may_run_worker() || ours.is_none());
         if stray_recorded || stray_held {
-            if self.own(&mut held, id, &self.dirs(&id), Some(&record)).is_err() {
+            if !self.own_unchanged(&mut held, id, &record).await? {
                 return Ok(()); // another live broker owns it and will act
             }
             self.stop_worker(&mut held, &record, record.generation, Duration::ZERO)
@@ -677,10 +845,45 @@ impl LocalRuntime {
             report
                 .killed_workers
                 .push((id, format!("a worker ran while the session was {state}")));
+        } else if (state == SessionState::Running || record.worker.is_some())
+            && recorded.is_none()
+            && held.worker.is_none()
+            && record
+                .worker
+                .is_none_or(|w| w.broker == self.broker || !w.broker.is_alive())
+        {
+            // The record names a worker (or says one runs), but it is gone and no live broker
+            // owns the session: it died with a broker killed by SIGKILL (bubblewrap's
+            // `--die-with-parent`), exited on its own afterwards (e.g. on a broken stdout), or
+            // the broker was killed while stopping it, before it could finish (remove the
+            // worker's cgroup, record that it stopped). Without this the record would claim a
+            // worker that does not exist, and what it left would stay, forever. `stop_worker`
+            // signals what may remain of its process group and removes a cgroup left behind.
+            if !self.own_unchanged(&mut held, id, &record).await? {
+                return Ok(()); // another live broker owns it and will act
+            }
+            self.stop_worker(&mut held, &record, record.generation, Duration::ZERO)
+                .await;
+            let mut record = record.clone();
+            record.worker = None;
+            if state == SessionState::Running {
+                record.phase = Phase::Session(SessionState::Suspended);
+                record.suspend_reason = Some(SuspendReason::Shutdown);
+            }
+            self.store(&record)?;
+            held.lock = None;
+            tracing::info!(session = %id, "the recorded worker is gone; its record is repaired");
         }
         if state == SessionState::Closing
             || (state == SessionState::Closed && record.storage != StorageState::Present)
         {
+            // As the steps above may have left it.
+            let Some(current) = self.load(&id)? else {
+                return Ok(());
+            };
+            if !self.own_unchanged(&mut held, id, &current).await? {
+                return Ok(()); // another live broker is closing it
+            }
             let reason = record.close_reason.unwrap_or(CloseReason::Ended);
             if self.close_locked(id, &mut held, reason).await? {
                 report.finished_closes.push(id);

@@ -523,6 +523,19 @@ pub(crate) fn cpu_quota_us(cores: f64) -> u64 {
     }
 }
 
+/// Whether `pid` is gone or on its way out: a zombie, or past releasing its memory (its
+/// environment reads empty; a worker's never is, it carries the runtime's marker).
+fn is_exiting(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let state = stat
+        .rfind(')')
+        .and_then(|end| stat[end + 1..].split_whitespace().next());
+    matches!(state, None | Some("Z" | "X" | "x"))
+        || std::fs::read(format!("/proc/{pid}/environ")).map_or(true, |env| env.is_empty())
+}
+
 /// `pid`'s parent, from `/proc/<pid>/stat`.
 fn parent_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -649,6 +662,35 @@ impl LimitsHandle {
             }
         }
         Ok(())
+    }
+
+    /// Removes the cgroups that are empty, and leaves any that still has a process alone (its
+    /// name is all that ties it to the session, so a member may be another runtime's: one of
+    /// the same installation on another root computes the same session ids). For cgroups found
+    /// by [`CgroupHost::existing`] after a broker was killed. Returns whether all are gone.
+    ///
+    /// Members that are only exiting (killed workers not yet reaped by whoever inherited them)
+    /// are waited for, up to a few seconds.
+    pub(crate) fn remove_if_empty(&self) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        self.groups.iter().fold(true, |gone, group| {
+            let removed = loop {
+                // `rmdir` of a cgroup with members fails (`EBUSY`) and changes nothing.
+                match std::fs::remove_dir(&group.dir) {
+                    Ok(()) => break true,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break true,
+                    Err(e) if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
+                        let exiting = members(&group.dir).is_ok_and(|m| m.into_iter().all(is_exiting));
+                        if !exiting || std::time::Instant::now() >= deadline {
+                            break false;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(_) => break false,
+                }
+            };
+            gone && removed
+        })
     }
 }
 

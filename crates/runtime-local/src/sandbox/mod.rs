@@ -398,6 +398,21 @@ impl Sandbox {
         uids::release_in(root, id)
     }
 
+    /// The holders (session ids, as written) of every uid claimed under `root`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if `root/.uids` cannot be read.
+    pub(crate) fn uid_holders(&self, root: &Path) -> Result<Vec<String>, Error> {
+        let mut holders: Vec<String> = uids::claims_in(root)?
+            .into_iter()
+            .map(|(_, holder)| holder)
+            .collect();
+        holders.sort();
+        holders.dedup();
+        Ok(holders)
+    }
+
     /// Makes the session's storage private before any of its processes starts: the agent
     /// directories (workspace, home, state, tmp) mode 0700 and, with a `uid`, owned by it
     /// (recursively, without following links, the first time: e.g. a copied HOME template); the
@@ -500,7 +515,6 @@ impl Sandbox {
 
     /// The cgroup of a session left by an earlier broker process, if there is one (for
     /// `reconcile`: remove it once the session's processes are gone).
-    #[allow(dead_code)] // offered to the runtime's `reconcile`
     pub(crate) fn existing_limits(&self, id: &SessionId) -> Option<LimitsHandle> {
         cgroup::CgroupHost::detect().ok()?.existing(id)
     }

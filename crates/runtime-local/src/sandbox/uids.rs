@@ -91,11 +91,14 @@ fn claims_dir(root: &Path) -> Result<PathBuf, Error> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(storage_error("creating the uid claims directory", e)),
     }
+    crate::layout::plain_dir(&dir).map_err(|e| storage_error("checking the uid claims directory", e))?;
     Ok(dir)
 }
 
 /// Every claim in `dir`: (uid, holder).
 fn claims(dir: &Path) -> Result<Vec<(u32, String)>, Error> {
+    // Never through a link: releasing a claim deletes files in this directory.
+    crate::layout::plain_dir(dir).map_err(|e| storage_error("checking the uid claims directory", e))?;
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -181,6 +184,15 @@ pub(crate) fn allocate_in(
     })();
     let _ = std::fs::remove_file(&temp);
     result
+}
+
+/// Every claim under `root`: (uid, holder).
+///
+/// # Errors
+///
+/// [`Error::Backend`] if the claims cannot be read.
+pub(crate) fn claims_in(root: &Path) -> Result<Vec<(u32, String)>, Error> {
+    claims(&root.join(UIDS_DIR))
 }
 
 /// Removes `id`'s claims under `root`. Idempotent.
