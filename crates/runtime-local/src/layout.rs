@@ -11,6 +11,7 @@
 //!     tmp/                 scratch space (private /tmp in sandboxed mode)
 //!   .retained/<id>.<n>/    storage of closed sessions kept by the retention policy
 //!   .trash/<id>.<n>/       storage being deleted (renamed here first, so deletion is atomic)
+//!   .counters/<id>         last generation and incarnation of a session whose storage was deleted
 //! ```
 //!
 //! Only a [`SessionId`] ever appears in these paths.
@@ -76,6 +77,12 @@ pub(crate) fn retained_dir(root: &Path) -> PathBuf {
 /// Where storage is moved before it is deleted.
 pub(crate) fn trash_dir(root: &Path) -> PathBuf {
     root.join(".trash")
+}
+
+/// Where the last generation and incarnation of sessions whose storage was deleted are kept, so
+/// a later session under the same id continues counting (one small file per session id).
+pub(crate) fn counters_dir(root: &Path) -> PathBuf {
+    root.join(".counters")
 }
 
 /// Whether `path` exists as a directory itself: `Ok(false)` if nothing is there, an error if a

@@ -13,8 +13,8 @@ use parking_lot::Mutex;
 use rustix::process::Signal;
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
-    ReconcileReport, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime, SessionState,
-    SessionStatus, StorageState, SuspendReason,
+    ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
+    SessionState, SessionStatus, StorageState, SuspendReason,
 };
 
 use crate::layout::{self, SessionDirs};
@@ -450,6 +450,11 @@ impl LocalRuntime {
             StorageState::Retained { .. } => layout::retained_dir(&self.settings.root),
             _ => layout::trash_dir(&self.settings.root),
         };
+        if record.storage == StorageState::Deleted {
+            // The record goes with the storage; its counters stay, so the next session under this
+            // id starts above every generation a stray worker of this one could carry.
+            self.remember_counters(&record)?;
+        }
         let moved = destination.join(format!("{id}.{}", record.incarnation));
         fs::create_dir_all(&destination)
             .and_then(|()| layout::plain_dir(&destination))
@@ -463,6 +468,53 @@ impl LocalRuntime {
             self.sandbox.release_uid(&self.settings.root, &id)?;
         }
         Ok(true)
+    }
+
+    /// The limits and usage of this process's worker of `id`, if limits are configured. Skipped
+    /// (`None`) while a lifecycle operation holds the session: status never waits for one.
+    fn resources(&self, id: &SessionId) -> Option<ResourceUsage> {
+        let limits = self.settings.limits.as_ref()?;
+        let slot = self.slots.lock().get(id).cloned()?;
+        let held = slot.held.try_lock().ok()?;
+        let usage = held.worker.as_ref()?.limits.as_ref()?.usage();
+        let mut resources = ResourceUsage::default();
+        resources.memory_limit = limits.memory;
+        resources.pids_limit = limits.pids;
+        resources.cpu_limit = limits.cpu;
+        resources.memory_bytes = usage.memory_bytes;
+        resources.pids = usage.pids;
+        resources.oom_kills = usage.oom_kills;
+        Some(resources)
+    }
+
+    /// Keeps the generation and incarnation of a session whose storage is being deleted.
+    fn remember_counters(&self, record: &SessionRecord) -> Result<()> {
+        let dir = layout::counters_dir(&self.settings.root);
+        let fail = |e| storage_error("keeping the counters of a closed session", e);
+        fs::create_dir_all(&dir)
+            .and_then(|()| layout::plain_dir(&dir))
+            .map_err(fail)?;
+        let temporary = dir.join(format!(".{}.tmp", record.id));
+        let _ = fs::remove_file(&temporary);
+        fs::write(
+            &temporary,
+            format!("{} {}\n", record.generation, record.incarnation),
+        )
+        .map_err(fail)?;
+        fs::rename(&temporary, dir.join(record.id.as_str())).map_err(fail)
+    }
+
+    /// The generation and incarnation of `id`'s last deleted session, if any.
+    fn counters(&self, id: &SessionId) -> Option<(u64, u64)> {
+        let dir = layout::counters_dir(&self.settings.root);
+        layout::plain_dir(&dir).ok()?;
+        let path = dir.join(id.as_str());
+        if !fs::symlink_metadata(&path).ok()?.is_file() {
+            return None;
+        }
+        let text = fs::read_to_string(path).ok()?;
+        let (generation, incarnation) = text.trim().split_once(' ')?;
+        Some((generation.parse().ok()?, incarnation.parse().ok()?))
     }
 
     /// The newest retained record of `id`, with its directory.
@@ -640,11 +692,16 @@ impl SessionRuntime for LocalRuntime {
             }
         }
         // Generations and incarnations only grow, across closes too.
-        let previous = existing.or_else(|| self.retained(&id).map(|(record, _)| record));
-        let (generation, incarnation) = match &previous {
+        let (generation, incarnation) = match &existing {
             Some(record) if record.phase == Phase::Provisioning => (record.generation, record.incarnation),
             Some(record) => (record.generation, record.incarnation + 1),
-            None => (0, 1),
+            None => {
+                let retained = self
+                    .retained(&id)
+                    .map(|(record, _)| (record.generation, record.incarnation));
+                let (generation, incarnation) = retained.max(self.counters(&id)).unwrap_or((0, 0));
+                (generation, incarnation + 1)
+            }
         };
         let record = self
             .provision(identity, options, &mut held, generation, incarnation)
@@ -672,7 +729,9 @@ impl SessionRuntime for LocalRuntime {
 
     async fn status(&self, id: &SessionId) -> Result<SessionStatus> {
         if let Some(record) = self.load(id)? {
-            return Ok(record.status(self.storage_refs(&self.dirs(id))));
+            let mut status = record.status(self.storage_refs(&self.dirs(id)));
+            status.resources = self.resources(id);
+            return Ok(status);
         }
         match self.retained(id) {
             Some((record, path)) => Ok(record.status(vec![path.display().to_string()])),

@@ -356,6 +356,16 @@ async fn two_hundred_sessions(mode: SandboxMode) {
                     .collect();
                 assert!(inside.is_empty(), "{entry} is not empty: {inside:?}");
             }
+            ".counters" => {
+                // One small file per deleted session, keeping its generation counting.
+                for counter in std::fs::read_dir(&path).expect("counters").flatten() {
+                    assert!(
+                        counter.file_type().expect("type").is_file(),
+                        "{:?}",
+                        counter.path()
+                    );
+                }
+            }
             other => panic!("leaked entry {other} in the root: {entries:?}"),
         }
     }
@@ -374,4 +384,54 @@ async fn two_hundred_sessions_through_their_whole_lifecycle_leak_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_bubblewrap_sessions_through_their_whole_lifecycle_leak_nothing() {
     two_hundred_sessions(SandboxMode::Bubblewrap).await;
+}
+
+/// A session created again after a close that deleted its storage continues counting generations,
+/// so nothing of the old session can ever carry a current generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_keep_growing_across_a_deleting_close() {
+    use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
+
+    let root = tempfile::tempdir().expect("root");
+    let agent = session_runtime::AgentCommand::new(
+        session_runtime::testing::acp_test_agent_binary()
+            .expect("agent")
+            .display()
+            .to_string(),
+    );
+    let runtime = runtime_local::LocalRuntime::builder(agent)
+        .root(root.path())
+        .installation("generations")
+        .sandbox(session_runtime::config::SandboxMode::None)
+        .build()
+        .expect("runtime");
+    let identity = SessionIdentity::new("generations", "agent", "discord", "1").expect("identity");
+    let id = identity.id();
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    drop(runtime.attach(&id).await.expect("attach"));
+    let before = runtime.attach(&id).await.expect("attach again").generation();
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    let again = runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create again");
+    assert!(again.created);
+    assert!(
+        again.generation >= before,
+        "generation went back from {before} to {}",
+        again.generation
+    );
+    let after = runtime
+        .attach(&id)
+        .await
+        .expect("attach the new session")
+        .generation();
+    assert!(
+        after > before,
+        "the new session's first worker ({after}) must be above the old one's ({before})"
+    );
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
 }

@@ -809,12 +809,19 @@ fn phase(phase: &str, mode: SandboxMode, kills: usize, pids_limit: Option<u32>) 
             }
             Err(error) => panic!("attach: {error}"),
         };
-        let seen = workers(&setup.scope());
-        assert!(
-            seen.iter()
-                .any(|(_, found, g)| found == id.as_str() && *g == attachment.generation()),
-            "the marker scan does not see the worker: {seen:?}"
-        );
+        // A process that is still exec'ing shows an empty environment for a moment.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let seen = loop {
+            let seen = workers(&setup.scope());
+            let found = seen
+                .iter()
+                .any(|(_, found, g)| found == id.as_str() && *g == attachment.generation());
+            if found || std::time::Instant::now() >= deadline {
+                break (found, seen);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(seen.0, "the marker scan does not see the worker: {:?}", seen.1);
         runtime.close(&id, CloseReason::Reset).await.expect("close");
         assert!(wait_workers_gone(&setup.scope(), None).is_empty());
         true
@@ -879,7 +886,7 @@ fn phase(phase: &str, mode: SandboxMode, kills: usize, pids_limit: Option<u32>) 
     entries.sort();
     for entry in &entries {
         assert!(
-            [".reconcile.lock", ".retained", ".trash", ".uids"].contains(&entry.as_str()),
+            [".counters", ".reconcile.lock", ".retained", ".trash", ".uids"].contains(&entry.as_str()),
             "unexpected entry {entry} in the root: {entries:?}"
         );
     }

@@ -236,7 +236,7 @@ async fn hostile_identities_are_typed_errors_or_only_name_a_hashed_directory() {
     for entry in std::fs::read_dir(&root).expect("root").flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         assert!(
-            [".reconcile.lock", ".trash", ".retained", ".uids"].contains(&name.as_str()),
+            [".counters", ".reconcile.lock", ".trash", ".retained", ".uids"].contains(&name.as_str()),
             "unexpected {name} in the root"
         );
     }

@@ -107,7 +107,6 @@ pub(crate) struct LimitsHandle {
 
 /// What a session's processes use now; `None` where the controller is not in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[allow(dead_code)] // see `LimitsHandle::usage`
 pub(crate) struct LimitsUsage {
     /// Memory in bytes (page cache included).
     pub(crate) memory_bytes: Option<u64>,
@@ -600,7 +599,6 @@ impl LimitsHandle {
     }
 
     /// Current usage, from the controllers in use (`None` for those not in use or unreadable).
-    #[allow(dead_code)] // offered to the runtime: `status` reports it
     pub(crate) fn usage(&self) -> LimitsUsage {
         let read_u64 =
             |path: PathBuf| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
