@@ -857,6 +857,26 @@ impl LocalRuntime {
         Ok(false)
     }
 
+    /// Stops what is left of a worker that should not run and records that none does (a running
+    /// session becomes suspended, as by a broker shutdown). `false` if another live broker owns
+    /// the session.
+    async fn stop_stray(&self, held: &mut Held, id: SessionId, record: &SessionRecord) -> Result<bool> {
+        if !self.own_unchanged(held, id, record).await? {
+            return Ok(false);
+        }
+        self.stop_worker(held, record, record.generation, Duration::ZERO)
+            .await;
+        let mut record = record.clone();
+        record.worker = None;
+        if record.state() == SessionState::Running {
+            record.phase = Phase::Session(SessionState::Suspended);
+            record.suspend_reason = Some(SuspendReason::Shutdown);
+        }
+        self.store(&record)?;
+        held.lock = None;
+        Ok(true)
+    }
+
     /// One reconcile step for one live session.
     pub(crate) async fn reconcile_session(&self, id: SessionId, report: &mut ReconcileReport) -> Result<()> {
         let slot = self.slot(&id);
@@ -888,19 +908,9 @@ impl LocalRuntime {
         });
         let stray_held = held.worker.is_some() && (!state.may_run_worker() || ours.is_none());
         if stray_recorded || stray_held {
-            if !self.own_unchanged(&mut held, id, &record).await? {
+            if !self.stop_stray(&mut held, id, &record).await? {
                 return Ok(()); // another live broker owns it and will act
             }
-            self.stop_worker(&mut held, &record, record.generation, Duration::ZERO)
-                .await;
-            let mut record = record.clone();
-            record.worker = None;
-            if state == SessionState::Running {
-                record.phase = Phase::Session(SessionState::Suspended);
-                record.suspend_reason = Some(SuspendReason::Shutdown);
-            }
-            self.store(&record)?;
-            held.lock = None;
             report
                 .killed_workers
                 .push((id, format!("a worker ran while the session was {state}")));
@@ -918,19 +928,9 @@ impl LocalRuntime {
             // worker's cgroup, record that it stopped). Without this the record would claim a
             // worker that does not exist, and what it left would stay, forever. `stop_worker`
             // signals what may remain of its process group and removes a cgroup left behind.
-            if !self.own_unchanged(&mut held, id, &record).await? {
+            if !self.stop_stray(&mut held, id, &record).await? {
                 return Ok(()); // another live broker owns it and will act
             }
-            self.stop_worker(&mut held, &record, record.generation, Duration::ZERO)
-                .await;
-            let mut record = record.clone();
-            record.worker = None;
-            if state == SessionState::Running {
-                record.phase = Phase::Session(SessionState::Suspended);
-                record.suspend_reason = Some(SuspendReason::Shutdown);
-            }
-            self.store(&record)?;
-            held.lock = None;
             tracing::info!(session = %id, "the recorded worker is gone; its record is repaired");
         }
         if state == SessionState::Closing
