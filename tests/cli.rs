@@ -1,0 +1,168 @@
+//! The `oab-runtime` operator CLI, run as a program.
+
+use std::process::Command;
+
+fn oab_runtime() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_oab-runtime"));
+    command.env("OAB_LOG", "error");
+    command
+}
+
+fn write_config(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
+    let path = dir.join("config.toml");
+    std::fs::write(&path, body).expect("write config");
+    path
+}
+
+#[test]
+fn verify_passes_for_the_default_runtime() {
+    let output = oab_runtime().arg("verify").output().expect("run oab-runtime");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "verify must pass with the default (sandboxed) runtime:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("PASSED"), "{stdout}");
+    assert!(stdout.contains(" 0 leaked"), "{stdout}");
+}
+
+#[test]
+fn verify_fails_and_names_the_leaks_in_plain_mode() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(dir.path(), "[session_runtime.local]\nsandbox = \"none\"\n");
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("verify")
+        .output()
+        .expect("run oab-runtime");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "plain mode must fail verify:\n{stdout}"
+    );
+    assert!(stdout.contains("FAILED"), "{stdout}");
+    assert!(
+        stdout.contains("LEAKED"),
+        "the report must name the probes that leaked:\n{stdout}"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("isolates nothing"),
+        "plain mode must say it isolates nothing:\n{stderr}"
+    );
+}
+
+#[test]
+fn bad_arguments_and_configs_are_clear_errors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let bad_id = oab_runtime()
+        .args(["status", "not-a-session-id"])
+        .output()
+        .expect("run");
+    assert!(!bad_id.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad_id.stderr).contains("session id"),
+        "{bad_id:?}"
+    );
+
+    let config = write_config(dir.path(), "[session_runtime.local]\nsandbx = \"none\"\n");
+    let bad_key = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("run");
+    assert!(!bad_key.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad_key.stderr).contains("session_runtime.local.sandbx"),
+        "the error must name the key: {bad_key:?}"
+    );
+
+    let unknown = oab_runtime().arg("fly").output().expect("run");
+    assert_eq!(
+        unknown.status.code(),
+        Some(2),
+        "clap reports usage errors with exit code 2"
+    );
+}
+
+#[test]
+fn ls_status_suspend_close_and_gc_manage_a_session() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path().join("sessions");
+    let config = write_config(
+        dir.path(),
+        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
+    );
+    // A session made by `run`, fed one ACP line on stdin.
+    let mut run = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "discord", "--thread", "42"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    {
+        use std::io::Write;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":1}}\n")
+            .expect("write");
+    }
+    let output = run.wait_with_output().expect("run ends at EOF");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        stdout.contains("\"id\":1") && stdout.contains("protocolVersion"),
+        "the agent answered: {stdout}"
+    );
+
+    let ls = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    let listing = String::from_utf8_lossy(&ls.stdout);
+    let line = listing
+        .lines()
+        .find(|l| l.contains("suspended"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    let id = line.split_whitespace().next().expect("id column").to_owned();
+    assert_eq!(id.len(), 20, "{listing}");
+
+    let status = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["status", &id])
+        .output()
+        .expect("status");
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status is JSON");
+    assert_eq!(json["state"], "suspended");
+    assert_eq!(json["suspend_reason"], "shutdown");
+
+    let close = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["close", &id, "--reason", "reset"])
+        .output()
+        .expect("close");
+    assert!(close.status.success(), "{close:?}");
+    assert!(!root.join(&id).exists(), "reset deletes the storage");
+    let gc = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("gc")
+        .output()
+        .expect("gc");
+    assert!(gc.status.success(), "{gc:?}");
+    assert!(
+        String::from_utf8_lossy(&gc.stdout).contains("killed workers:    0"),
+        "{gc:?}"
+    );
+}
