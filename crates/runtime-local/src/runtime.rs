@@ -20,7 +20,7 @@ use session_runtime::{
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
-use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox};
+use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
@@ -157,6 +157,7 @@ impl LocalRuntime {
         // Recorded, but not started by this process: its broker was killed.
         let foreign = held.worker.is_none() && record.worker.is_some();
         let mut limits = None;
+        let own_leader = held.worker.as_ref().map(|live| live.control.process);
         if let Some(live) = held.worker.take() {
             live.fence.fence(fenced_by);
             let _ = session_runtime::WorkerControl::terminate(live.control.as_ref(), grace).await;
@@ -170,7 +171,14 @@ impl LocalRuntime {
         // and a child the agent started may outlive it. Wait for every process carrying the
         // session's marker to go before a new generation starts, so two generations never run
         // (and touch storage) at once.
-        if had_worker {
+        //
+        // One exception: a plain worker this process started, whose process group is empty, left
+        // nothing but what detached itself on purpose (a new session). Plain mode isolates
+        // nothing (any session can reach this storage anyway), and `reconcile` still finds such
+        // processes by their marker; the scan of every process is skipped on this hot path.
+        let plain_and_gone = self.sandbox.kind() == SandboxKind::None
+            && own_leader.is_some_and(|leader| group_is_empty(leader.pid));
+        if had_worker && !plain_and_gone {
             kill_leftovers(&self.settings.scope, &record.id).await;
         }
         // A cgroup can only be removed once it is empty.
@@ -596,6 +604,12 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether no process is left in the process group `pgid`.
+fn group_is_empty(pgid: u32) -> bool {
+    rustix::process::Pid::from_raw(pgid as i32)
+        .is_some_and(|pid| rustix::process::test_kill_process_group(pid) == Err(rustix::io::Errno::SRCH))
 }
 
 pub(crate) fn marker_value(scope: &str, id: &SessionId, generation: u64) -> String {

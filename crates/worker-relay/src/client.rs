@@ -22,7 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
 use crate::protocol::{
-    Arrival, DelayedAck, Frame, FrameReader, Hello, Peer, ReadError, RelaySignal, Seq, Sequencer, Welcome,
+    Arrival, DelayedAck, Frame, FrameReader, Hello, LazyTimer, Peer, ReadError, RelaySignal, Seq, Sequencer,
+    Welcome,
 };
 use crate::token::{BrokerKey, Token};
 use crate::transport::{Connector, Transport};
@@ -790,15 +791,31 @@ async fn detach(shared: &Shared, reader: &mut Reader, writer: &mut Writer) -> io
 
 async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
     let idle = shared.config.idle_timeout;
+    // One idle timer for the connection, checked against the time the current wait began when
+    // it fires, instead of a timer registered and dropped per frame.
+    let idle_timer = tokio::time::sleep(idle);
+    tokio::pin!(idle_timer);
     loop {
-        let frame = match tokio::time::timeout(idle, reader.next()).await {
-            Err(_) => return ConnEnd::Fault(RelayError::Timeout("waiting for the relay")),
-            Ok(Ok(Some(frame))) => frame,
-            Ok(Ok(None)) if shared.state.lock().exited => return ConnEnd::Finished,
-            Ok(Ok(None)) => {
+        let waiting_since = tokio::time::Instant::now();
+        let next = loop {
+            tokio::select! {
+                biased;
+                next = reader.next() => break next,
+                () = &mut idle_timer => {
+                    if waiting_since.elapsed() >= idle {
+                        return ConnEnd::Fault(RelayError::Timeout("waiting for the relay"));
+                    }
+                    idle_timer.as_mut().reset(waiting_since + idle);
+                }
+            }
+        };
+        let frame = match next {
+            Ok(Some(frame)) => frame,
+            Ok(None) if shared.state.lock().exited => return ConnEnd::Finished,
+            Ok(None) => {
                 return ConnEnd::Fault(RelayError::Transport(io::ErrorKind::UnexpectedEof.into()));
             }
-            Ok(Err(error)) => return ConnEnd::Fault(read_error(error)),
+            Err(error) => return ConnEnd::Fault(read_error(error)),
         };
         match frame {
             Frame::Data { seq, payload } => {
@@ -877,29 +894,17 @@ async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
 /// Queues received output for the reader, waiting for room unless nobody needs it bounded.
 /// `false` if the attachment was dropped meanwhile.
 async fn push_output(shared: &Shared, seq: Seq, payload: Bytes) -> bool {
+    let mut payload = Some(payload);
+    // The common case, room in the queue, registers no waiter.
+    if try_push_output(shared, seq, &mut payload) {
+        return true;
+    }
     loop {
         let notified = shared.out_space.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        {
-            let mut state = shared.state.lock();
-            let discard = !state.out_open || shared.fence.is_fenced();
-            if discard || state.terminating || state.out_bytes < shared.config.output_buffer {
-                let _ = state.output.accept(seq);
-                let waker = if discard || payload.is_empty() {
-                    None
-                } else {
-                    state.out_bytes += payload.len();
-                    state.out_queue.push_back(payload);
-                    state.out_waker.take()
-                };
-                drop(state);
-                if let Some(waker) = waker {
-                    waker.wake();
-                }
-                shared.wake_writer.notify_one();
-                return true;
-            }
+        if try_push_output(shared, seq, &mut payload) {
+            return true;
         }
         tokio::select! {
             () = notified => {}
@@ -907,6 +912,30 @@ async fn push_output(shared: &Shared, seq: Seq, payload: Bytes) -> bool {
             () = shared.detached.cancelled() => return false,
         }
     }
+}
+
+/// Queues `payload` (taking it) if there is room or nobody needs it bounded; `false` to wait.
+fn try_push_output(shared: &Shared, seq: Seq, payload: &mut Option<Bytes>) -> bool {
+    let mut state = shared.state.lock();
+    let discard = !state.out_open || shared.fence.is_fenced();
+    if !(discard || state.terminating || state.out_bytes < shared.config.output_buffer) {
+        return false;
+    }
+    let _ = state.output.accept(seq);
+    let waker = match payload.take() {
+        Some(payload) if !discard && !payload.is_empty() => {
+            state.out_bytes += payload.len();
+            state.out_queue.push_back(payload);
+            state.out_waker.take()
+        }
+        _ => None,
+    };
+    drop(state);
+    if let Some(waker) = waker {
+        waker.wake();
+    }
+    shared.wake_writer.notify_one();
+    true
 }
 
 /// What the writer has to send right now.
@@ -920,6 +949,7 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut ack = DelayedAck::new(0);
+    let mut ack_timer = LazyTimer::new();
     let mut signals_sent = 0u64;
     let mut nonce = 0u64;
     loop {
@@ -961,9 +991,10 @@ async fn write_loop(shared: &Arc<Shared>, writer: &mut Writer, mut sent_through:
             // More may be pending (the batch was bounded): loop without waiting.
             continue;
         }
+        ack_timer.arm(ack.deadline());
         tokio::select! {
             () = shared.wake_writer.notified() => {}
-            () = crate::server::sleep_until(ack.deadline()) => {}
+            () = ack_timer.fired() => {}
             _ = ping.tick() => {
                 nonce += 1;
                 if let Err(error) = send(writer, &[encode(&Frame::Ping { nonce })]).await {

@@ -23,6 +23,7 @@
 //! side. [`Frame::Ack`] acknowledges every item up to a sequence number. A receiver drops
 //! duplicates and rejects gaps ([`Sequencer`]).
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 
@@ -1060,6 +1061,15 @@ impl FrameDecoder {
         self.buf.len()
     }
 
+    /// How many more bytes the frame at the front needs, as far as its header tells (0 when
+    /// it is complete or its header incomplete).
+    fn missing(&self) -> usize {
+        match check_header(&self.buf, self.from, self.max_payload) {
+            Ok(Some(len)) => (HEADER_LEN + len).saturating_sub(self.buf.len()),
+            _ => 0,
+        }
+    }
+
     /// The next whole frame, or `Ok(None)` if more bytes are needed.
     ///
     /// # Errors
@@ -1081,7 +1091,6 @@ impl FrameDecoder {
         };
         let total = HEADER_LEN + len;
         if self.buf.len() < total {
-            self.buf.reserve(total - self.buf.len());
             return Ok(None);
         }
         let frame_type = FrameType::from_u8(self.buf[1]).ok_or(FrameError::UnknownType {
@@ -1195,6 +1204,48 @@ impl DelayedAck {
     }
 }
 
+/// A timer kept across loop iterations and armed lazily: it is moved only to an earlier
+/// deadline, and stays armed when the deadline it served is withdrawn (e.g. an ack that went out
+/// piggybacked). Re-arming a tokio timer for an earlier deadline wakes the runtime's driver (a
+/// syscall), and a fresh timer per loop iteration registers and deregisters one each time; a timer
+/// that now and then fires for nothing is far cheaper than either on a per-frame path.
+#[derive(Debug)]
+pub(crate) struct LazyTimer {
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    armed: Option<tokio::time::Instant>,
+}
+
+impl LazyTimer {
+    /// A timer that is not armed.
+    pub(crate) fn new() -> Self {
+        Self {
+            // Never polled before it is armed.
+            sleep: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
+            armed: None,
+        }
+    }
+
+    /// Makes sure the timer fires no later than `deadline`, if there is one.
+    pub(crate) fn arm(&mut self, deadline: Option<tokio::time::Instant>) {
+        if let Some(deadline) = deadline {
+            if self.armed.is_none_or(|armed| armed > deadline) {
+                self.sleep.as_mut().reset(deadline);
+                self.armed = Some(deadline);
+            }
+        }
+    }
+
+    /// Resolves once the armed deadline passed (the timer is then disarmed); never while it is
+    /// not armed. Cancel-safe.
+    pub(crate) async fn fired(&mut self) {
+        if self.armed.is_none() {
+            return std::future::pending().await;
+        }
+        self.sleep.as_mut().await;
+        self.armed = None;
+    }
+}
+
 /// Why a frame could not be read from a stream.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -1218,7 +1269,18 @@ pub enum ReadError {
 pub struct FrameReader<R> {
     inner: R,
     decoder: FrameDecoder,
+    /// Exhausted receive buffers, reused once every frame split off them is dropped.
+    retired: VecDeque<BytesMut>,
 }
+
+/// Receive buffer size of a [`FrameReader`] (more if a frame needs it).
+const READ_BUFFER: usize = 256 * 1024;
+
+/// Below this much room, a [`FrameReader`] moves to another receive buffer before reading.
+const MIN_READ_ROOM: usize = 4096;
+
+/// Exhausted receive buffers a [`FrameReader`] keeps for reuse.
+const SPARE_BUFFERS: usize = 8;
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Reads frames sent by `from` from `inner`.
@@ -1226,7 +1288,42 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         Self {
             inner,
             decoder: FrameDecoder::new(from),
+            retired: VecDeque::new(),
         }
+    }
+
+    /// Makes room to read the rest of the current frame, or at least [`MIN_READ_ROOM`] bytes.
+    /// Frames are split off the receive buffer without copying, so a full buffer stays shared
+    /// until they are dropped; rather than a new allocation each time (fresh memory whose every
+    /// page faults on first write), take a retired buffer whose frames are all gone, and move
+    /// the undecoded tail (less than a frame) over.
+    fn make_room(&mut self) {
+        let missing = self.decoder.missing();
+        let buf = self.decoder.buffer_mut();
+        let spare = buf.capacity() - buf.len();
+        if spare >= missing.max(MIN_READ_ROOM) {
+            return;
+        }
+        let want = buf.len() + missing.max(READ_BUFFER);
+        let mut fresh = None;
+        for _ in 0..self.retired.len() {
+            let Some(mut candidate) = self.retired.pop_front() else {
+                break;
+            };
+            if candidate.try_reclaim(want) {
+                fresh = Some(candidate);
+                break;
+            }
+            self.retired.push_back(candidate);
+        }
+        let mut fresh = fresh.unwrap_or_else(|| BytesMut::with_capacity(want));
+        fresh.extend_from_slice(buf);
+        let mut used = std::mem::replace(buf, fresh);
+        used.clear();
+        if self.retired.len() == SPARE_BUFFERS {
+            self.retired.pop_front();
+        }
+        self.retired.push_back(used);
     }
 
     /// The next frame, or `Ok(None)` at a clean end of stream (between frames).
@@ -1241,11 +1338,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if let Some(frame) = self.decoder.decode()? {
                 return Ok(Some(frame));
             }
-            let buf = self.decoder.buffer_mut();
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(256 * 1024);
-            }
-            if self.inner.read_buf(buf).await? == 0 {
+            self.make_room();
+            if self.inner.read_buf(self.decoder.buffer_mut()).await? == 0 {
                 return match self.decoder.buffered() {
                     0 => Ok(None),
                     buffered => Err(ReadError::Truncated { buffered }),
@@ -1486,5 +1580,69 @@ mod tests {
             reader.next().await,
             Err(ReadError::Truncated { buffered: 13 })
         ));
+    }
+
+    #[tokio::test]
+    async fn reader_reuses_buffers_across_frames_of_every_size() {
+        // Frames larger than a receive buffer, frames straddling buffers, and buffers still
+        // held by earlier frames (kept here) while later ones are read.
+        let sizes = [
+            10,
+            MAX_DATA,
+            300_000,
+            1,
+            READ_BUFFER - 7,
+            70_000,
+            3,
+            MAX_DATA,
+            5000,
+            200_000,
+        ];
+        let mut bytes = Vec::new();
+        for (i, size) in sizes.iter().cycle().take(40).enumerate() {
+            let payload = Bytes::from(vec![i as u8; *size]);
+            let frame = Frame::Data {
+                seq: i as u64 + 1,
+                payload,
+            };
+            bytes.extend_from_slice(&frame.to_bytes().unwrap());
+        }
+        let mut reader = FrameReader::new(&bytes[..], Peer::Relay);
+        let mut kept = Vec::new();
+        for (i, size) in sizes.iter().cycle().take(40).enumerate() {
+            let Some(Frame::Data { seq, payload }) = reader.next().await.unwrap() else {
+                panic!("expected data {i}");
+            };
+            assert_eq!(seq, i as u64 + 1);
+            assert_eq!(payload.len(), *size);
+            assert!(payload.iter().all(|b| *b == i as u8), "frame {i} intact");
+            if i % 3 == 0 {
+                kept.push(payload);
+            }
+        }
+        assert!(reader.next().await.unwrap().is_none());
+        for (n, payload) in kept.iter().enumerate() {
+            assert!(
+                payload.iter().all(|b| *b == (n * 3) as u8),
+                "kept frame {n} unchanged"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lazy_timer_fires_by_the_earliest_deadline_and_only_when_armed() {
+        let start = tokio::time::Instant::now();
+        let mut timer = LazyTimer::new();
+        let never = tokio::time::timeout(std::time::Duration::from_secs(60), timer.fired()).await;
+        assert!(never.is_err(), "an unarmed timer never fires");
+        let now = tokio::time::Instant::now();
+        timer.arm(Some(now + std::time::Duration::from_millis(10)));
+        timer.arm(Some(now + std::time::Duration::from_millis(50)));
+        timer.arm(None);
+        timer.fired().await;
+        assert_eq!(now.elapsed(), std::time::Duration::from_millis(10));
+        let never = tokio::time::timeout(std::time::Duration::from_secs(1), timer.fired()).await;
+        assert!(never.is_err(), "disarmed once fired");
+        assert!(start.elapsed() >= std::time::Duration::from_secs(61));
     }
 }

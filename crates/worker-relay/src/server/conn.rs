@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{refuse, Inner, Refusal};
-use crate::protocol::{DelayedAck, ErrorCode, Frame, FrameReader, Peer, ReadError, Seq, Welcome};
+use crate::protocol::{DelayedAck, ErrorCode, Frame, FrameReader, LazyTimer, Peer, ReadError, Seq, Welcome};
 
 /// Output bytes gathered per write batch.
 const BATCH_BYTES: usize = 256 * 1024;
@@ -105,23 +105,43 @@ async fn read_loop<R: AsyncRead + Unpin>(
     commands: &mpsc::Sender<Command>,
 ) -> Option<Refusal> {
     let idle = inner.config.idle_timeout;
+    // One idle timer for the connection, checked against the time the current wait began when
+    // it fires, instead of a timer registered and dropped per frame.
+    let idle_timer = tokio::time::sleep(idle);
+    tokio::pin!(idle_timer);
+    // Created once: a cancellation future registers a waiter when first polled, and one made
+    // per frame would register and unregister it every time.
+    let stopped = async {
+        tokio::select! {
+            () = done.cancelled() => {}
+            () = superseded.cancelled() => {}
+            () = inner.done.cancelled() => {}
+        }
+    };
+    tokio::pin!(stopped);
     loop {
-        let next = tokio::select! {
-            biased;
-            () = done.cancelled() => return None,
-            () = superseded.cancelled() => return None,
-            () = inner.done.cancelled() => return None,
-            next = tokio::time::timeout(idle, reader.next()) => next,
+        let waiting_since = tokio::time::Instant::now();
+        let next = loop {
+            tokio::select! {
+                biased;
+                () = &mut stopped => return None,
+                next = reader.next() => break next,
+                () = &mut idle_timer => {
+                    if waiting_since.elapsed() >= idle {
+                        return Some((ErrorCode::IdleTimeout, format!("nothing received for {idle:?}")));
+                    }
+                    idle_timer.as_mut().reset(waiting_since + idle);
+                }
+            }
         };
         let frame = match next {
-            Err(_) => return Some((ErrorCode::IdleTimeout, format!("nothing received for {idle:?}"))),
-            Ok(Err(ReadError::Frame(error))) => return Some((error.code(), error.to_string())),
-            Ok(Err(error)) => {
+            Err(ReadError::Frame(error)) => return Some((error.code(), error.to_string())),
+            Err(error) => {
                 tracing::debug!(id, %error, "connection lost");
                 return None;
             }
-            Ok(Ok(None)) => return None,
-            Ok(Ok(Some(frame))) => frame,
+            Ok(None) => return None,
+            Ok(Some(frame)) => frame,
         };
         let handled = match frame {
             Frame::Data { seq, payload } => inner.input(id, seq, Some(payload)).await,
@@ -181,6 +201,12 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut nonce = 0u64;
     let mut changed = inner.subscribe();
     let mut batch = Vec::new();
+    let mut ack_timer = LazyTimer::new();
+    // Created once, not per wake-up (see `read_loop`).
+    let is_done = done.cancelled();
+    tokio::pin!(is_done);
+    let is_superseded = superseded.cancelled();
+    tokio::pin!(is_superseded);
     loop {
         changed.borrow_and_update();
         loop {
@@ -200,10 +226,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             }
             next = after;
         }
+        ack_timer.arm(ack.deadline());
         let frame = tokio::select! {
             biased;
-            () = done.cancelled() => return,
-            () = superseded.cancelled() => {
+            () = &mut is_done => return,
+            () = &mut is_superseded => {
                 let frame = Frame::error(ErrorCode::Superseded, "a newer connection took over");
                 let _ = send(&mut writer, &[encode(&frame)], &done).await;
                 let _ = writer.shutdown().await;
@@ -228,7 +255,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 nonce += 1;
                 Frame::Ping { nonce }
             }
-            () = sleep_until(ack.deadline()) => continue,
+            () = ack_timer.fired() => continue,
         };
         if send(&mut writer, &[encode(&frame)], &done).await.is_err() {
             done.cancel();
@@ -256,16 +283,10 @@ async fn send<W: AsyncWrite + Unpin>(
         }
         writer.flush().await
     };
+    // Biased: a write that completes at once never registers the cancellation waiter.
     tokio::select! {
+        biased;
         written = write => written,
         () = done.cancelled() => Err(std::io::ErrorKind::ConnectionAborted.into()),
-    }
-}
-
-/// Sleeps until `deadline`, or forever without one.
-pub(crate) async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
     }
 }

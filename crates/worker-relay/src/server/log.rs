@@ -22,7 +22,15 @@ pub(crate) struct OutputLog {
     discarded: Seq,
     /// Encoded bytes held.
     bytes: usize,
+    /// Allocations of acknowledged items, for the stdout pump to read into again.
+    recycled: Vec<BytesMut>,
 }
+
+/// Acknowledged item allocations kept for reuse, at most.
+const RECYCLED: usize = 8;
+
+/// Only allocations at least this large are worth keeping for reuse.
+const RECYCLE_MIN: usize = 64 * 1024;
 
 impl OutputLog {
     pub(crate) fn new() -> Self {
@@ -32,6 +40,7 @@ impl OutputLog {
             acked: 0,
             discarded: 0,
             bytes: 0,
+            recycled: Vec::new(),
         }
     }
 
@@ -110,8 +119,30 @@ impl OutputLog {
                 break;
             }
             self.bytes -= bytes.len();
-            self.frames.pop_front();
+            if let Some((_, bytes)) = self.frames.pop_front() {
+                self.recycle(bytes);
+            }
         }
+    }
+
+    /// Keeps the allocation of a dropped item if nothing else uses it and it is worth it.
+    fn recycle(&mut self, bytes: Bytes) {
+        if self.recycled.len() < RECYCLED && bytes.len() >= RECYCLE_MIN {
+            if let Ok(mut buffer) = bytes.try_into_mut() {
+                buffer.clear();
+                self.recycled.push(buffer);
+            }
+        }
+    }
+
+    /// An allocation of an acknowledged item with room for `capacity` bytes, if one is kept.
+    pub(crate) fn reuse(&mut self, capacity: usize) -> Option<BytesMut> {
+        while let Some(mut buffer) = self.recycled.pop() {
+            if buffer.try_reclaim(capacity) {
+                return Some(buffer);
+            }
+        }
+        None
     }
 
     /// Drops the oldest unacknowledged items until at most `limit` bytes are held; a broker that
@@ -202,6 +233,23 @@ mod tests {
         out.clear();
         assert_eq!(log.collect(2, 250, &mut out), 4);
         assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn acknowledged_allocations_are_reused() {
+        let mut log = OutputLog::new();
+        log.push_data(&[1; RECYCLE_MIN]);
+        log.push_data(&[2; 10]);
+        let mut out = Vec::new();
+        log.collect(1, usize::MAX, &mut out);
+        log.ack(2);
+        assert!(log.reuse(RECYCLE_MIN).is_none(), "still held by a writer's batch");
+        log.push_data(&[3; RECYCLE_MIN]);
+        out.clear();
+        log.ack(3);
+        let buffer = log.reuse(DATA_PREFIX + RECYCLE_MIN).expect("recycled");
+        assert!(buffer.is_empty() && buffer.capacity() >= DATA_PREFIX + RECYCLE_MIN);
+        assert!(log.reuse(1).is_none(), "handed out once");
     }
 
     #[test]

@@ -5,7 +5,6 @@ mod agent;
 mod conn;
 mod http;
 
-pub(crate) use conn::sleep_until;
 mod log;
 
 use std::ffi::OsString;
@@ -276,6 +275,7 @@ impl Relay {
                     stdin: None,
                 }),
                 done: CancellationToken::new(),
+                agent_gone: CancellationToken::new(),
             }),
         })
     }
@@ -413,6 +413,9 @@ pub(crate) struct Inner {
     input: tokio::sync::Mutex<InputSide>,
     /// Cancelled when the relay is done.
     pub(crate) done: CancellationToken,
+    /// Cancelled when the agent exited (a signal of its own, so that the stdout pump does not
+    /// wake on every change).
+    agent_gone: CancellationToken,
 }
 
 #[derive(Debug)]
@@ -763,17 +766,13 @@ impl Inner {
 
     /// Resolves `drain_grace` after the agent exited.
     async fn drain_deadline(&self) {
-        let mut changed = self.subscribe();
-        loop {
-            changed.borrow_and_update();
-            if matches!(self.state.lock().agent, AgentState::Exited { .. }) {
-                break;
-            }
-            if changed.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
+        self.agent_gone.cancelled().await;
         tokio::time::sleep(self.config.drain_grace).await;
+    }
+
+    /// The allocation of acknowledged output with room for `capacity` bytes, if one is kept.
+    fn reuse_output_buffer(&self, capacity: usize) -> Option<bytes::BytesMut> {
+        self.state.lock().log.reuse(capacity)
     }
 
     fn push_output_frame(&self, frame: bytes::BytesMut) {
@@ -802,6 +801,7 @@ impl Inner {
             state.agent = AgentState::Exited { status };
             self.push_exit_locked(&mut state);
         }
+        self.agent_gone.cancel();
         self.bump();
     }
 
