@@ -1,6 +1,7 @@
 //! [`FakeRuntime`]: the reference implementation of the contract, in memory.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -27,7 +28,7 @@ pub struct FakeRuntimeBuilder {
     installation: String,
     retention: RetentionPolicy,
     idle_ttl: Option<Duration>,
-    agent: acp_test_agent::AgentOptions,
+    launcher: Arc<dyn WorkerLauncher>,
 }
 
 impl FakeRuntimeBuilder {
@@ -51,7 +52,15 @@ impl FakeRuntimeBuilder {
 
     /// Sets the options of the in-process agent (its exec and state directories are per session).
     pub fn agent_options(mut self, agent: acp_test_agent::AgentOptions) -> Self {
-        self.agent = agent;
+        self.launcher = Arc::new(InProcessAgent { options: agent });
+        self
+    }
+
+    /// Starts workers with `launcher` instead of the in-process test agent, keeping the fake's
+    /// records and lifecycle: how a transport's tests (e.g. the worker relay's) run the
+    /// conformance suite with the transport in the path.
+    pub fn launcher(mut self, launcher: impl WorkerLauncher) -> Self {
+        self.launcher = Arc::new(launcher);
         self
     }
 
@@ -68,7 +77,7 @@ impl FakeRuntimeBuilder {
             installation: self.installation,
             retention: self.retention,
             idle_ttl: self.idle_ttl,
-            agent: self.agent,
+            launcher: self.launcher,
             root,
             sessions: Mutex::default(),
         })
@@ -86,7 +95,7 @@ pub struct FakeRuntime {
     installation: String,
     retention: RetentionPolicy,
     idle_ttl: Option<Duration>,
-    agent: acp_test_agent::AgentOptions,
+    launcher: Arc<dyn WorkerLauncher>,
     root: tempfile::TempDir,
     sessions: Mutex<HashMap<SessionId, Arc<SessionSlot>>>,
 }
@@ -108,7 +117,7 @@ struct Record {
 
 #[derive(Debug)]
 struct LiveWorker {
-    control: Arc<FakeWorker>,
+    control: Arc<dyn WorkerControl>,
     fence: FenceTrigger,
 }
 
@@ -119,7 +128,9 @@ impl FakeRuntime {
             installation: "test".into(),
             retention: RetentionPolicy::default(),
             idle_ttl: None,
-            agent: acp_test_agent::AgentOptions::default(),
+            launcher: Arc::new(InProcessAgent {
+                options: acp_test_agent::AgentOptions::default(),
+            }),
         }
     }
 
@@ -190,47 +201,26 @@ impl FakeRuntime {
         // Fence and stop the previous worker before the new one may touch storage.
         Self::stop_worker(&slot.record, generation, None).await;
 
-        let workspace = Self::workspace(&storage);
-        let mut options = self.agent.clone();
-        options.exec_dir = Some(workspace.clone());
-        options.state_dir = Some(storage.join("agent-state"));
-        let (broker_output, agent_output) = tokio::io::duplex(PIPE_BUFFER);
-        let (agent_input, broker_input) = tokio::io::duplex(PIPE_BUFFER);
-        let exit = ExitCell::new();
-        let task = {
-            let exit = exit.clone();
-            tokio::spawn(async move {
-                let result = acp_test_agent::serve(agent_input, agent_output, options).await;
-                exit.set(WorkerExit::Code(if result.is_ok() { 0 } else { 1 }));
-            })
-        };
-        let now = SystemTime::now();
-        let control = Arc::new(FakeWorker {
-            worker_id: format!("fake-{id}-{generation}"),
-            generation,
-            task: task.abort_handle(),
-            exit,
-        });
         let (fence, trigger) = Fence::new(id, generation);
-        {
-            let mut record = slot.record.lock();
-            record.status.state = SessionState::Running;
-            record.status.suspend_reason = None;
-            record.status.worker = Some(WorkerInfo::new(control.worker_id.clone(), generation, now));
-            record.status.last_activity = now;
-            record.worker = Some(LiveWorker {
-                control: Arc::clone(&control),
-                fence: trigger,
-            });
-        }
-        let parts = AttachmentParts::new(
-            fence,
-            workspace.to_string_lossy(),
-            broker_output,
-            broker_input,
-            control as Arc<dyn WorkerControl>,
-        );
-        Ok(Attachment::new(parts))
+        let request = LaunchRequest {
+            id,
+            generation,
+            workspace: Self::workspace(&storage),
+            state_dir: storage.join("agent-state"),
+        };
+        let attachment = self.launcher.launch(request, fence).await?;
+        let control = attachment.control();
+        let now = SystemTime::now();
+        let mut record = slot.record.lock();
+        record.status.state = SessionState::Running;
+        record.status.suspend_reason = None;
+        record.status.worker = Some(WorkerInfo::new(control.worker_id(), generation, now));
+        record.status.last_activity = now;
+        record.worker = Some(LiveWorker {
+            control,
+            fence: trigger,
+        });
+        Ok(attachment)
     }
 
     async fn suspend_locked(&self, id: SessionId, slot: &SessionSlot, reason: SuspendReason) -> Result<()> {
@@ -464,6 +454,70 @@ impl FaultInjector for FakeRuntime {
         record.status.state = SessionState::Closing;
         record.status.close_reason = Some(reason);
         Ok(())
+    }
+}
+
+/// What a [`WorkerLauncher`] is asked to start.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LaunchRequest {
+    /// The session.
+    pub id: SessionId,
+    /// The generation the worker is started for.
+    pub generation: Generation,
+    /// The session's workspace: the agent's working directory and the exec probe's.
+    pub workspace: PathBuf,
+    /// A directory for the agent's state, kept across generations (for `session/load`).
+    pub state_dir: PathBuf,
+}
+
+/// Starts the workers of a [`FakeRuntime`]. The default runs the ACP test agent in-process.
+#[async_trait]
+pub trait WorkerLauncher: fmt::Debug + Send + Sync + 'static {
+    /// Starts a worker and returns the attachment to it, built on `fence` (so the runtime can
+    /// fence it when a newer worker takes over).
+    ///
+    /// # Errors
+    /// Whatever starting the worker failed with, as contract errors.
+    async fn launch(&self, request: LaunchRequest, fence: Fence) -> Result<Attachment>;
+}
+
+/// The default launcher: the ACP test agent as a Tokio task, over in-memory pipes.
+#[derive(Debug)]
+struct InProcessAgent {
+    options: acp_test_agent::AgentOptions,
+}
+
+#[async_trait]
+impl WorkerLauncher for InProcessAgent {
+    async fn launch(&self, request: LaunchRequest, fence: Fence) -> Result<Attachment> {
+        let mut options = self.options.clone();
+        options.exec_dir = Some(request.workspace.clone());
+        options.state_dir = Some(request.state_dir);
+        let (broker_output, agent_output) = tokio::io::duplex(PIPE_BUFFER);
+        let (agent_input, broker_input) = tokio::io::duplex(PIPE_BUFFER);
+        let exit = ExitCell::new();
+        let task = {
+            let exit = exit.clone();
+            tokio::spawn(async move {
+                let result = acp_test_agent::serve(agent_input, agent_output, options).await;
+                exit.set(WorkerExit::Code(if result.is_ok() { 0 } else { 1 }));
+            })
+        };
+        let control: Arc<dyn WorkerControl> = Arc::new(FakeWorker {
+            worker_id: format!("fake-{}-{}", request.id, request.generation),
+            generation: request.generation,
+            task: task.abort_handle(),
+            exit,
+        });
+        let parts = AttachmentParts::new(
+            fence,
+            request.workspace.to_string_lossy(),
+            broker_output,
+            broker_input,
+            control,
+        );
+        Ok(Attachment::new(parts))
     }
 }
 

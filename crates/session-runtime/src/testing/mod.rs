@@ -7,7 +7,7 @@ mod fake;
 pub use acp_client::{
     AcpClient, ClientError, ExecOutput, PermissionAnswer, PromptOutcome, DEFAULT_REQUEST_TIMEOUT, EXEC_METHOD,
 };
-pub use fake::{FakeRuntime, FakeRuntimeBuilder};
+pub use fake::{FakeRuntime, FakeRuntimeBuilder, LaunchRequest, WorkerLauncher};
 
 /// The path of the `acp-test-agent` binary of this workspace, building it first if needed.
 ///
