@@ -37,6 +37,8 @@
 //! reproducible). `MAX_ATTEMPTS_PER_KILL` bounds the attempts (kills that land outside the
 //! operation), so a machine where the timing never hits fails loudly instead of looping.
 
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::MetadataExt;
@@ -70,26 +72,6 @@ const LINE_TIMEOUT: Duration = Duration::from_secs(60);
 const GONE_TIMEOUT: Duration = Duration::from_secs(20);
 
 const HARNESS: &str = env!("CARGO_BIN_EXE_oab-fault-harness");
-
-/// xorshift64*, as in the harness.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.max(1))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn seed(phase: &str, mode: SandboxMode) -> u64 {
     let base = std::env::var("OAB_FAULT_SEED")
@@ -452,12 +434,12 @@ impl Harness {
 fn one_kill(
     setup: &Setup,
     phase: &str,
-    rng: &mut Rng,
+    rng: &mut StdRng,
     durations: &mut Durations,
     model: &mut Model,
 ) -> (Vec<String>, bool) {
-    let mut harness = Harness::start(setup, phase, rng.next());
-    let occurrence = 1 + rng.below(3);
+    let mut harness = Harness::start(setup, phase, rng.random::<u64>());
+    let occurrence = 1 + rng.random_range(0..3);
     let start = format!("{phase} start ");
     let done = format!("{phase} done ");
     let mut seen = 0;
@@ -483,7 +465,7 @@ fn one_kill(
             }
             if seen == occurrence {
                 // Up to 1.2 times the typical duration: most kills land inside the operation.
-                let delay = rng.below(durations.typical_micros() * 6 / 5 + 1);
+                let delay = rng.random_range(0..durations.typical_micros() * 6 / 5 + 1);
                 harness.go();
                 std::thread::sleep(Duration::from_micros(delay));
                 break;
@@ -523,7 +505,7 @@ async fn recover_and_check(
     setup: &Setup,
     model: &mut Model,
     stats: &mut Stats,
-    rng: &mut Rng,
+    rng: &mut StdRng,
     context: &str,
 ) {
     let root = setup.root.as_path();
@@ -730,7 +712,7 @@ async fn recover_and_check(
     // 5. One open session is usable: one worker, of a new generation, then gone again.
     let open: Vec<u64> = (0..THREADS).filter(|t| model.session(*t).open).collect();
     if !open.is_empty() {
-        let thread = open[rng.below(open.len() as u64) as usize];
+        let thread = open[rng.random_range(0..open.len())];
         let id = setup.identity(thread).id();
         let before = runtime.status(&id).await.expect("status").generation;
         let attachment = runtime
@@ -784,7 +766,7 @@ fn phase(phase: &str, mode: SandboxMode, kills: usize, pids_limit: Option<u32>) 
         "fault test {}: seed {seed} (OAB_FAULT_SEED to replay)",
         setup.installation
     );
-    let mut rng = Rng::new(seed);
+    let mut rng = StdRng::seed_from_u64(seed);
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -28,6 +28,8 @@
 //! Before each operation named `PHASE` it waits for one byte on stdin after its `start` line,
 //! so the test can time the kill from the moment the operation begins. It exits when stdin ends.
 
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -47,27 +49,6 @@ use session_runtime::{
 const INSTALLATION: &str = "faults";
 /// How many distinct sessions (threads) the harness cycles through.
 const THREADS: u64 = 4;
-
-/// A small xorshift64* generator: reproducible from its seed, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.max(1))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// A number in `0..n`.
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 /// The operations the harness reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +99,7 @@ struct Harness {
     runtime: Arc<LocalRuntime>,
     installation: String,
     phase: Op,
-    rng: Rng,
+    rng: StdRng,
     /// Live ACP clients, so their workers keep their stdin open.
     clients: HashMap<u64, AcpClient>,
 }
@@ -168,7 +149,7 @@ impl Harness {
     }
 
     async fn cycle(&mut self) -> Result<(), ()> {
-        let thread = self.rng.below(THREADS);
+        let thread = self.rng.random_range(0..THREADS);
         let identity = self.identity(thread);
         let id = identity.id();
         let runtime = Arc::clone(&self.runtime);
@@ -183,7 +164,7 @@ impl Harness {
             .await?;
         if handle.created {
             // A file the test can look for wherever the retention policy says the storage is.
-            let token = format!("{:016x}", self.rng.next());
+            let token = format!("{:016x}", self.rng.random::<u64>());
             say(&format!("keep t{thread} {token}"));
             let written = match runtime.status(&id).await {
                 Ok(status) => match status.storage_refs.first() {
@@ -206,7 +187,7 @@ impl Harness {
             say(&format!("kept t{thread}"));
         }
         self.attach(thread).await?;
-        match self.rng.below(4) {
+        match self.rng.random_range(0..4) {
             0 => {
                 self.clients.remove(&thread);
                 self.step(
@@ -217,15 +198,15 @@ impl Harness {
                     |_| "",
                 )
                 .await?;
-                if self.rng.below(2) == 0 {
+                if self.rng.random_range(0..2) == 0 {
                     self.attach(thread).await?;
                 }
             }
             1 => self.attach(thread).await?,
             _ => {}
         }
-        if self.rng.below(4) != 0 {
-            let reason = if self.rng.below(2) == 0 {
+        if self.rng.random_range(0..4) != 0 {
+            let reason = if self.rng.random_range(0..2) == 0 {
                 CloseReason::Reset
             } else {
                 CloseReason::Ended
@@ -333,7 +314,7 @@ fn main() -> ExitCode {
         runtime,
         installation,
         phase,
-        rng: Rng::new(seed),
+        rng: StdRng::seed_from_u64(seed),
         clients: HashMap::new(),
     };
     say("ready");
