@@ -163,7 +163,11 @@ impl LocalRuntime {
             let _ = session_runtime::WorkerControl::terminate(live.control.as_ref(), grace).await;
             limits = live.limits;
         }
-        if let Some(worker) = record.worker {
+        // The recorded worker is only signalled again if it is not the one just stopped.
+        if let Some(worker) = record
+            .worker
+            .filter(|w| own_leader.is_none() || w.process != own_leader)
+        {
             kill_recorded(&self.settings.scope, &record.id, &worker).await;
         }
         // The leader's exit does not mean its tree is gone: a sandbox's inner processes run in
