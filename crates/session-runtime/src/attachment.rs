@@ -456,7 +456,17 @@ async fn run_input(
     mut commands: mpsc::Receiver<InputCommand>,
     fence: Fence,
 ) {
-    let disconnected = || Err(Error::Disconnected { id: fence.id });
+    // How the sink ended, for the commands answered after it: a transport that reports a fence
+    // (a relay taken over by a newer broker) ends the input fenced, anything else disconnected.
+    let mut fenced_by_transport: Option<(Generation, Generation)> = None;
+    let ended = |fenced_by_transport: Option<(Generation, Generation)>| match fenced_by_transport {
+        Some((generation, current)) => Err(Error::Fenced {
+            id: fence.id,
+            generation,
+            current,
+        }),
+        None => Err(Error::Disconnected { id: fence.id }),
+    };
     loop {
         let command = tokio::select! {
             biased;
@@ -474,7 +484,12 @@ async fn run_input(
                     written = async {
                         sink.write_all(&line).await?;
                         sink.flush().await
-                    } => written.or_else(|_| disconnected()),
+                    } => written.or_else(|error| {
+                        if let Some(Error::Fenced { generation, current, .. }) = Error::from_io(&error) {
+                            fenced_by_transport = Some((*generation, *current));
+                        }
+                        ended(fenced_by_transport)
+                    }),
                 };
                 let failed = written.is_err();
                 let _ = done.send(written);
@@ -497,7 +512,7 @@ async fn run_input(
         };
         let _ = done.send(match fence.check() {
             Err(fenced) => Err(fenced),
-            Ok(()) => disconnected(),
+            Ok(()) => ended(fenced_by_transport),
         });
     }
 }
