@@ -10,6 +10,11 @@
 //! | `landlock` | the agent restricted by Landlock to its own storage and read-only system paths | OS-enforced; hides other sessions' existence only with a distinct uid per session |
 //! | `auto` | bubblewrap if it works here, else Landlock, else refuses to create isolated sessions and says how to install bubblewrap | |
 //!
+//! In every mode a worker inherits no descriptor of the broker's but its standard streams: the
+//! runtime marks the broker's other descriptors close-on-exec before each start (those the broker
+//! inherited from systemd or a supervisor included), so no agent holds a socket or file of the
+//! broker's.
+//!
 //! # Durability
 //!
 //! Every session has a durable record (`record.json`, replaced atomically with fsync) that is

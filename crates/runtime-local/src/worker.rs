@@ -56,6 +56,7 @@ pub(crate) fn spawn(
         .process_group(0);
     // The runtime, not the drop of a handle, decides when a worker ends.
     command.kill_on_drop(false);
+    keep_inherited_descriptors_from_workers();
     let mut child = command.spawn().map_err(|e| WorkerFailure::Spawn(e.to_string()))?;
     let pid = child
         .id()
@@ -93,6 +94,18 @@ pub(crate) fn spawn(
         stdout,
         stdin,
     })
+}
+
+/// Marks every descriptor of this process above stderr close-on-exec, so no worker inherits one.
+///
+/// Everything Rust's standard library and tokio open is close-on-exec already; what is not is
+/// what the broker inherited (systemd's socket-activation sockets, a supervisor's pipes) or what
+/// C code opened. Neither bubblewrap nor an exec closes those, so without this a sandboxed agent
+/// would hold them. Setting the flag in the broker (one `close_range` call on Linux 5.11 and
+/// later) rather than between `fork` and `exec` keeps `unsafe` code out of this crate; the broker
+/// itself goes on using those descriptors unchanged.
+fn keep_inherited_descriptors_from_workers() {
+    close_fds::set_fds_cloexec_threadsafe(3, &[]);
 }
 
 async fn log_stderr(stderr: impl AsyncRead + Unpin, id: SessionId, generation: Generation) {
