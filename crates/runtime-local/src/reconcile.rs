@@ -126,13 +126,10 @@ fn expire_retained(runtime: &LocalRuntime, report: &mut ReconcileReport) {
             Ok(()) => {
                 report.expired_storage.push(id);
                 // The user goes with its last storage, unless a new session of the same id has it.
-                let live = SessionDirs::live(&runtime.settings.root, &id).record();
-                if !live.exists() {
-                    if let Err(error) = runtime.sandbox.release_uid(&runtime.settings.root, &id) {
-                        report
-                            .errors
-                            .push(format!("retained session {id}: releasing its user: {error}"));
-                    }
+                if let Err(error) = runtime.release_uid_unless_stored(&id) {
+                    report
+                        .errors
+                        .push(format!("retained session {id}: releasing its user: {error}"));
                 }
             }
             Err(error) => report

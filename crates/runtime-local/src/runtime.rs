@@ -477,7 +477,7 @@ impl LocalRuntime {
         // storage is deleted.
         if record.storage == StorageState::Deleted {
             fs::remove_dir_all(&moved).map_err(|e| storage_error("deleting session storage", e))?;
-            self.sandbox.release_uid(&self.settings.root, &id)?;
+            self.release_uid_unless_stored(&id)?;
         }
         Ok(true)
     }
@@ -800,27 +800,33 @@ impl LocalRuntime {
                 return;
             }
         };
-        let retained = layout::retained_dir(&self.settings.root);
         for holder in holders {
             let Ok(id) = SessionId::parse(&holder) else {
                 continue;
             };
             let slot = self.slot(&id);
             let _held = slot.held.lock().await;
-            let prefix = format!("{id}.");
-            let has_retained = fs::read_dir(&retained).is_ok_and(|mut entries| {
-                entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
-            });
-            // `symlink_metadata`: anything at the session's path, even a dangling link, counts.
-            if has_retained || fs::symlink_metadata(self.dirs(&id).base).is_ok() {
-                continue;
-            }
-            if let Err(error) = self.sandbox.release_uid(&self.settings.root, &id) {
+            if let Err(error) = self.release_uid_unless_stored(&id) {
                 report
                     .errors
                     .push(format!("session {id}: releasing its user: {error}"));
             }
         }
+    }
+
+    /// Frees the uid of `id` unless some storage of it is left: a live directory (of this broker
+    /// or of another one creating the session right now) or retained storage. Files keep their
+    /// owner, so a uid never goes back into use while files still carry it.
+    pub(crate) fn release_uid_unless_stored(&self, id: &SessionId) -> Result<()> {
+        let retained = layout::retained_dir(&self.settings.root);
+        let prefix = format!("{id}.");
+        self.sandbox.release_uid(&self.settings.root, id, || {
+            let has_retained = fs::read_dir(&retained).is_ok_and(|mut entries| {
+                entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
+            });
+            // `symlink_metadata`: anything at the session's path, even a dangling link, counts.
+            has_retained || fs::symlink_metadata(self.dirs(id).base).is_ok()
+        })
     }
 
     /// Takes the session's lock for `reconcile`, to repair what a broker that is gone left

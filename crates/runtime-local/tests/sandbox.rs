@@ -538,8 +538,13 @@ fn uid_claims_are_distinct_stable_and_released() {
 
     let error = allocate_in(root.path(), &c, range.clone(), &host).expect_err("range exhausted");
     assert!(matches!(error, Error::Backend { .. }), "{error:?}");
-    release_in(root.path(), &a).expect("release");
-    release_in(root.path(), &a).expect("release is idempotent");
+    release_in(root.path(), &a, || true).expect("release while a has storage");
+    assert!(
+        root.path().join(".uids").join(ua.to_string()).exists(),
+        "a claim whose session has storage is kept"
+    );
+    release_in(root.path(), &a, || false).expect("release");
+    release_in(root.path(), &a, || false).expect("release is idempotent");
     assert_eq!(
         allocate_in(root.path(), &c, range.clone(), &host).expect("c"),
         ua,
@@ -548,7 +553,7 @@ fn uid_claims_are_distinct_stable_and_released() {
     let leftovers: Vec<_> = fs::read_dir(root.path().join(".uids"))
         .expect("read")
         .map(|e| e.expect("entry").file_name())
-        .filter(|n| n.to_string_lossy().starts_with('.'))
+        .filter(|n| n.to_string_lossy().starts_with(".claim-"))
         .collect();
     assert!(
         leftovers.is_empty(),
@@ -612,7 +617,9 @@ fn a_root_broker_allocates_from_the_documented_range() {
     if running_as_root() {
         let uid = uid.expect("root brokers give sessions a uid");
         assert!(UID_RANGE.contains(&uid), "{uid}");
-        sandbox.release_uid(root.path(), &id("range")).expect("release");
+        sandbox
+            .release_uid(root.path(), &id("range"), || false)
+            .expect("release");
     } else {
         assert_eq!(uid, None, "a broker that is not root runs agents as itself");
     }

@@ -389,13 +389,19 @@ impl Sandbox {
         uids::allocate_in(root, id, UID_RANGE, &host_used).map(Some)
     }
 
-    /// Frees the uid claimed for `id`, if any. Idempotent.
+    /// Frees the uid claimed for `id`, if any, unless `has_storage` (asked while no claim can be
+    /// made or released) says the session still has storage. Idempotent.
     ///
     /// # Errors
     ///
     /// [`Error::Backend`] if `root/.uids` cannot be read or the claim cannot be removed.
-    pub(crate) fn release_uid(&self, root: &Path, id: &SessionId) -> Result<(), Error> {
-        uids::release_in(root, id)
+    pub(crate) fn release_uid(
+        &self,
+        root: &Path,
+        id: &SessionId,
+        has_storage: impl FnOnce() -> bool,
+    ) -> Result<(), Error> {
+        uids::release_in(root, id, has_storage)
     }
 
     /// The holders (session ids, as written) of every uid claimed under `root`.

@@ -4,16 +4,24 @@
 //! root/.uids/            0700
 //!   <uid>                content: the session id holding it (written before the name appears)
 //!   .claim-<id>-...      a claim being made (renamed into place by a hard link)
+//!   .lock                flock: claims are made and released one at a time, across brokers
 //! ```
 //!
 //! A claim is made by writing the session id to a private temporary file and hard-linking it to
 //! `root/.uids/<uid>`: `link(2)` fails if the name exists, so exactly one claimant wins, even
 //! across broker processes, and a claim is never seen half-written.
+//!
+//! A claim is released only while its session has no storage, checked under the lock. Creating a
+//! session makes its directory before it claims (under the same lock), so a release can never
+//! take the uid of a session that is being created by another broker process: either the
+//! release sees the new directory and keeps the claim, or the creation finds no claim and makes
+//! a new one.
 
 use std::collections::HashSet;
+use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -95,6 +103,33 @@ fn claims_dir(root: &Path) -> Result<PathBuf, Error> {
     Ok(dir)
 }
 
+/// The claims directory's lock, held while claims are made or released. Released explicitly on
+/// drop, for the reason the session lock is (a child forked meanwhile holds a copy until it execs).
+struct ClaimsLock(File);
+
+impl Drop for ClaimsLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
+impl ClaimsLock {
+    /// Waits for the lock of the claims directory `dir` (held for a few file operations at most).
+    fn acquire(dir: &Path) -> Result<Self, Error> {
+        // Never through a link: one planted as the lock would make this create a file anywhere.
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(dir.join(".lock"))
+            .map_err(|e| storage_error("opening the uid claims lock", e))?;
+        file.lock()
+            .map_err(|e| storage_error("locking the uid claims", e))?;
+        Ok(Self(file))
+    }
+}
+
 /// Every claim in `dir`: (uid, holder).
 fn claims(dir: &Path) -> Result<Vec<(u32, String)>, Error> {
     // Never through a link: releasing a claim deletes files in this directory.
@@ -146,6 +181,7 @@ pub(crate) fn allocate_in(
     host: &HostIds,
 ) -> Result<u32, Error> {
     let dir = claims_dir(root)?;
+    let _lock = ClaimsLock::acquire(&dir)?;
     let existing = claims(&dir)?;
     if let Some((uid, _)) = existing.iter().find(|(_, holder)| holder == id.as_str()) {
         return Ok(*uid);
@@ -195,13 +231,26 @@ pub(crate) fn claims_in(root: &Path) -> Result<Vec<(u32, String)>, Error> {
     claims(&root.join(UIDS_DIR))
 }
 
-/// Removes `id`'s claims under `root`. Idempotent.
+/// Removes `id`'s claims under `root`, unless `has_storage` (asked under the claims lock) says
+/// the session still has storage. Idempotent.
 ///
 /// # Errors
 ///
 /// [`Error::Backend`] if the claims cannot be read or removed.
-pub(crate) fn release_in(root: &Path, id: &SessionId) -> Result<(), Error> {
+pub(crate) fn release_in(
+    root: &Path,
+    id: &SessionId,
+    has_storage: impl FnOnce() -> bool,
+) -> Result<(), Error> {
     let dir = root.join(UIDS_DIR);
+    // Never through a link (releasing deletes files there); missing: no claim was ever made.
+    if !crate::layout::plain_dir(&dir).map_err(|e| storage_error("checking the uid claims directory", e))? {
+        return Ok(());
+    }
+    let _lock = ClaimsLock::acquire(&dir)?;
+    if has_storage() {
+        return Ok(());
+    }
     for (uid, holder) in claims(&dir)? {
         if holder == id.as_str() {
             match std::fs::remove_file(dir.join(uid.to_string())) {
