@@ -9,11 +9,14 @@
 //! records (`provisioning`, the launch intent and pid of a `running` worker, `closing`) are only
 //! replaced atomically, which survives a killed broker (the page cache is the kernel's) but not a
 //! host crash. That is enough because a host crash ends every worker, and no durable side effect
-//! follows a transitional record before the next record at rest: storage is moved or deleted only
-//! after `closed` is durable, and a lost `provisioning` record leaves a directory that `create`
-//! adopts again. It keeps the create → attach → close path at two fsyncs instead of six. A record read from disk is untrusted: it
-//! must parse, have a known version, and name the session whose directory it sits in; it never
-//! supplies a path.
+//! follows a transitional record before the next record at rest: retained storage is moved only
+//! after `closed` is durable, storage to delete leaves the root with its record (that move,
+//! fsynced, is the close: a session without a directory is closed), and a lost `provisioning`
+//! record leaves a directory that `create` adopts again. It keeps create → attach → close with
+//! deletion at one file fsync (the record at create) and two of directories.
+//!
+//! A record read from disk is untrusted: it must parse, have a known version, and name the
+//! session whose directory it sits in; it never supplies a path.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};

@@ -447,7 +447,12 @@ impl LocalRuntime {
             };
             record.phase = Phase::Session(SessionState::Closed);
         }
-        self.store(&record)?;
+        // Retained storage keeps its record, durable before the storage moves. Storage to delete
+        // takes its record along: moving the directory out of the root is the commit point (made
+        // durable below), and a crash before it leaves `closing`, which reconcile finishes.
+        if record.storage != StorageState::Deleted {
+            self.store(&record)?;
+        }
         if DirEvidence::of(&dirs.base).ok() != Some(record.evidence) {
             return Err(Error::Backend {
                 runtime: RUNTIME,
@@ -476,6 +481,9 @@ impl LocalRuntime {
         // Retained storage stays owned by the session's user, so the user is kept until the
         // storage is deleted.
         if record.storage == StorageState::Deleted {
+            fs::File::open(&self.settings.root)
+                .and_then(|root| root.sync_all())
+                .map_err(|e| storage_error("recording the close durably", e))?;
             fs::remove_dir_all(&moved).map_err(|e| storage_error("deleting session storage", e))?;
             self.release_uid_unless_stored(&id)?;
         }
