@@ -34,7 +34,8 @@ fn has_interpreter(elf: &[u8]) -> bool {
 fn build_static() -> PathBuf {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let workspace = manifest.parent().and_then(Path::parent).expect("workspace root");
-    let target_dir = workspace.join("target");
+    // Where the other builds go (a relative CARGO_TARGET_DIR is relative to the workspace).
+    let target_dir = workspace.join(std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into()));
     let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .current_dir(workspace)
         .env("RUSTFLAGS", "-C target-feature=+crt-static")
@@ -57,7 +58,7 @@ fn build_static() -> PathBuf {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "builds a release binary (about a minute); run with `cargo test -p worker-relay --test static_build -- --ignored`"]
+#[ignore = "builds a release binary (about a minute); ./scripts/test runs it: `cargo test -p worker-relay --test static_build -- --ignored`"]
 async fn the_static_relay_needs_nothing_from_the_image() {
     let binary = build_static();
     let elf = std::fs::read(&binary).expect("read the binary");
