@@ -566,17 +566,29 @@ impl LocalRuntime {
     ) -> Result<SessionRecord> {
         let id = identity.id();
         let dirs = self.dirs(&id);
-        match fs::create_dir(&dirs.base) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => adoptable(&dirs)?,
+        let adopted = match fs::create_dir(&dirs.base) {
+            Ok(()) => false,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                adoptable(&dirs)?;
+                true
+            }
             Err(e) => return Err(storage_error("creating session storage", e)),
-        }
+        };
         self.own(held, id, &dirs, None)?;
         let evidence =
             DirEvidence::of(&dirs.base).map_err(|e| storage_error("inspecting session storage", e))?;
         let mut record = SessionRecord::new(identity, incarnation, generation, evidence);
         self.store(&record)?;
         for dir in dirs.agent_dirs() {
+            // An interrupted or failed provisioning (a seed that failed halfway) leaves partial
+            // seeds, and no agent ever ran there: start the directories over.
+            if adopted {
+                match fs::remove_dir_all(dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(storage_error("clearing an interrupted provisioning", e)),
+                }
+            }
             fs::create_dir_all(dir).map_err(|e| storage_error("creating session storage", e))?;
         }
         record.uid = self.sandbox.allocate_uid(&self.settings.root, &id)?;

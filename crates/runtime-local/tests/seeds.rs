@@ -1,0 +1,258 @@
+//! Seeds applied at create, checked from inside the session in every mode this machine can run:
+//!
+//! - the administrator's HOME template is copied into the session's HOME (files, permission bits,
+//!   symbolic links as links, never followed), owned by the session's user, writable by the agent,
+//!   and the template itself is borrowed: unchanged by the session's writes and by a deleting close;
+//! - a git repository is cloned into the workspace at the requested branch, and the source
+//!   repository is left as it was;
+//! - a clone that fails is a typed error that says so, and a later create of the same thread
+//!   with a working seed provisions the session from scratch.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use runtime_local::LocalRuntime;
+use session_runtime::config::SandboxMode;
+use session_runtime::testing::{acp_test_agent_binary, AcpClient};
+use session_runtime::{
+    AgentCommand, CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed,
+};
+
+const INSTALLATION: &str = "seeds";
+const CREDENTIALS: &str = "{\"token\": \"admin-provided\"}\n";
+
+/// Every entry under `top`: relative path → kind, mode and content (or link target).
+fn snapshot(top: &Path) -> BTreeMap<PathBuf, String> {
+    fn walk(top: &Path, dir: &Path, out: &mut BTreeMap<PathBuf, String>) {
+        for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path).expect("metadata");
+            let relative = path.strip_prefix(top).expect("under top").to_owned();
+            let mode = meta.permissions().mode() & 0o7777;
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&path).expect("link");
+                out.insert(relative, format!("link -> {}", target.display()));
+            } else if meta.is_dir() {
+                out.insert(relative, format!("dir {mode:o}"));
+                walk(top, &path, out);
+            } else {
+                let content = std::fs::read(&path).expect("file");
+                out.insert(
+                    relative,
+                    format!("file {mode:o} {}", String::from_utf8_lossy(&content)),
+                );
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(top, top, &mut out);
+    out
+}
+
+/// An administrator's HOME template: credentials (0600), a config file, and a link out.
+fn home_template(dir: &Path) -> PathBuf {
+    let template = dir.join("agent-home");
+    let config = template.join(".config/agent");
+    std::fs::create_dir_all(&config).expect("template dirs");
+    std::fs::write(config.join("credentials.json"), CREDENTIALS).expect("credentials");
+    std::fs::set_permissions(
+        config.join("credentials.json"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .expect("chmod");
+    std::fs::write(template.join(".agentrc"), "model = default\n").expect("agentrc");
+    std::os::unix::fs::symlink("/etc/hostname", template.join("link-out")).expect("symlink");
+    for dir in [&template, &template.join(".config"), &config] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    template
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = Command::new("git")
+        .current_dir(dir)
+        .args(["-c", "user.name=seed", "-c", "user.email=seed@example.invalid"])
+        .args(args)
+        .output()
+        .expect("running git");
+    assert!(
+        output.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// A repository with `main` (README) and `feature` (README and FEATURE); `main` checked out.
+fn repository(dir: &Path) -> PathBuf {
+    let repo = dir.join("repo");
+    std::fs::create_dir_all(&repo).expect("repo dir");
+    git(&repo, &["init", "--quiet", "--initial-branch=main"]);
+    std::fs::write(repo.join("README"), "main branch\n").expect("README");
+    git(&repo, &["add", "README"]);
+    git(&repo, &["commit", "--quiet", "-m", "main"]);
+    git(&repo, &["checkout", "--quiet", "-b", "feature"]);
+    std::fs::write(repo.join("FEATURE"), "feature branch\n").expect("FEATURE");
+    git(&repo, &["add", "FEATURE"]);
+    git(&repo, &["commit", "--quiet", "-m", "feature"]);
+    git(&repo, &["checkout", "--quiet", "main"]);
+    repo
+}
+
+fn build(mode: SandboxMode, root: &Path, template: &Path) -> Option<Arc<LocalRuntime>> {
+    let agent = acp_test_agent_binary().expect("acp-test-agent");
+    match LocalRuntime::builder(AgentCommand::new(agent.display().to_string()))
+        .root(root)
+        .installation(INSTALLATION)
+        .sandbox(mode)
+        .home_template(template)
+        .build()
+    {
+        Ok(runtime) => Some(Arc::new(runtime)),
+        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
+            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
+            eprintln!("skipping {mode}: it does not work on this machine: {reason}");
+            None
+        }
+        Err(error) => panic!("building the {mode} runtime: {error}"),
+    }
+}
+
+fn clone_of(repo: &Path, reference: Option<&str>) -> CreateOptions {
+    CreateOptions::new().with_workspace_seed(WorkspaceSeed::GitClone {
+        url: repo.display().to_string(),
+        reference: reference.map(str::to_owned),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_home_template_and_a_git_clone_seed_the_session_and_stay_untouched() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let template = home_template(scratch.path());
+    let repo = repository(scratch.path());
+    let template_before = snapshot(&template);
+    let heads_before = git(&repo, &["show-ref", "--heads"]);
+
+    let mut ran = Vec::new();
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = scratch.path().join(format!("root-{mode}"));
+        let Some(runtime) = build(mode, &root, &template) else {
+            continue;
+        };
+        let identity =
+            SessionIdentity::new(INSTALLATION, "agent", "slack", format!("seeded-{mode}")).expect("identity");
+        let id = identity.id();
+        runtime
+            .create(&identity, &clone_of(&repo, Some("feature")))
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: create: {e}"));
+        let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+        client.initialize().await.expect("initialize");
+        let probe = client
+            .exec(
+                "cat \"$HOME/.config/agent/credentials.json\"; \
+                 echo \"mode $(stat -c %a \"$HOME/.config/agent/credentials.json\")\"; \
+                 echo \"owner $(stat -c %u \"$HOME/.config/agent/credentials.json\") $(stat -c %u FEATURE) me $(id -u)\"; \
+                 echo \"link $(readlink \"$HOME/link-out\")\"; \
+                 echo \"head $(cat .git/HEAD)\"; cat README FEATURE; \
+                 echo 'changed by the agent' >> \"$HOME/.agentrc\" && echo wrote",
+            )
+            .await
+            .expect("exec");
+        let out = &probe.stdout;
+        let context = format!("{mode}:\n{out}\n{}", probe.stderr);
+        assert!(out.contains(CREDENTIALS.trim()), "credentials copied: {context}");
+        assert!(out.contains("mode 600"), "permission bits kept: {context}");
+        let owner = out
+            .lines()
+            .find_map(|line| line.strip_prefix("owner "))
+            .unwrap_or_else(|| panic!("no owner line: {context}"));
+        let ids: Vec<&str> = owner.split_whitespace().collect();
+        assert_eq!(ids.len(), 4, "{context}");
+        assert_eq!(
+            (ids[0], ids[1]),
+            (ids[3], ids[3]),
+            "seeded files belong to the session's user: {context}"
+        );
+        assert!(
+            out.contains("link /etc/hostname"),
+            "a link stays a link: {context}"
+        );
+        assert!(
+            out.contains("head ref: refs/heads/feature"),
+            "the requested branch: {context}"
+        );
+        assert!(
+            out.contains("main branch") && out.contains("feature branch"),
+            "the branch's files: {context}"
+        );
+        assert!(
+            out.contains("wrote"),
+            "the agent can change its HOME copy: {context}"
+        );
+        drop(client);
+        runtime.close(&id, CloseReason::Reset).await.expect("close");
+        assert!(
+            !root.join(id.as_str()).exists(),
+            "{mode}: the session's storage is deleted"
+        );
+        assert_eq!(
+            snapshot(&template),
+            template_before,
+            "{mode}: the template is borrowed"
+        );
+        assert_eq!(
+            git(&repo, &["show-ref", "--heads"]),
+            heads_before,
+            "{mode}: the source repository"
+        );
+        ran.push(mode);
+    }
+    assert!(ran.contains(&SandboxMode::None), "plain mode always runs");
+    println!("checked: {ran:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_clone_is_a_typed_error_and_the_next_create_starts_clean() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    let template = home_template(scratch.path());
+    let repo = repository(scratch.path());
+    let root = scratch.path().join("root");
+    let runtime = build(SandboxMode::None, &root, &template).expect("plain runtime");
+    let identity = SessionIdentity::new(INSTALLATION, "agent", "slack", "bad-seed").expect("identity");
+    let id = identity.id();
+
+    let missing = scratch.path().join("no-such-repository");
+    match runtime.create(&identity, &clone_of(&missing, None)).await {
+        Err(error @ Error::Backend { retryable: false, .. }) => {
+            assert!(error.to_string().contains("git clone"), "{error}");
+        }
+        other => panic!("a clone of a missing repository must fail, got {other:?}"),
+    }
+    match runtime
+        .create(&identity, &clone_of(&repo, Some("no-such-branch")))
+        .await
+    {
+        Err(Error::Backend { retryable: false, .. }) => {}
+        other => panic!("a clone of a missing branch must fail, got {other:?}"),
+    }
+    runtime
+        .create(&identity, &clone_of(&repo, None))
+        .await
+        .expect("create with a working seed");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+    client.initialize().await.expect("initialize");
+    let probe = client.exec("cat .git/HEAD; ls -A").await.expect("exec");
+    assert!(
+        probe.stdout.contains("ref: refs/heads/main"),
+        "the default branch: {}",
+        probe.stdout
+    );
+    assert!(!probe.stdout.contains("FEATURE"), "{}", probe.stdout);
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
