@@ -1,7 +1,7 @@
 //! Fuzzes the frame decoder: no input may panic it, and every frame it accepts must encode back
 //! to exactly the bytes it was decoded from.
 //!
-//! Run: `cd crates/worker-relay/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode -- -max_total_time=300`
+//! Run: `./scripts/fuzz 300 relay_frames`
 
 #![no_main]
 
