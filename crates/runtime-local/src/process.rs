@@ -88,6 +88,16 @@ pub(crate) fn descendants(root: u32) -> Vec<u32> {
     found
 }
 
+/// The rest of the first `KEY=value` entry of `pid`'s initial environment that starts with
+/// `prefix`; `None` if it has none (or is gone, or is not readable).
+pub(crate) fn environment_entry(pid: u32, prefix: &str) -> Option<String> {
+    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let entry = env
+        .split(|b| *b == 0)
+        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))?;
+    Some(String::from_utf8_lossy(entry).into_owned())
+}
+
 /// Every process whose initial environment has a `KEY=value` entry starting with `prefix`, with
 /// the rest of that entry.
 pub(crate) fn with_environment_prefix(prefix: &str) -> Vec<(u32, String)> {
@@ -97,13 +107,7 @@ pub(crate) fn with_environment_prefix(prefix: &str) -> Vec<(u32, String)> {
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
-        .filter_map(|pid| {
-            let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
-            let entry = env
-                .split(|b| *b == 0)
-                .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))?;
-            Some((pid, String::from_utf8_lossy(entry).into_owned()))
-        })
+        .filter_map(|pid| Some((pid, environment_entry(pid, prefix)?)))
         .collect()
 }
 

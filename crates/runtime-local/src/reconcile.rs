@@ -1,6 +1,7 @@
 //! `reconcile` for the local runtime: the garbage collector.
 
-use std::fs::{self, File};
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::time::SystemTime;
 
 use rustix::process::Signal;
@@ -16,7 +17,14 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
     let root = &runtime.settings.root;
     // One pass at a time per root, across broker processes; the others find nothing to do.
-    let guard = File::create(root.join(".reconcile.lock"))
+    // Never through a link, never truncating: one planted as the lock would otherwise have this
+    // create or empty a file anywhere on the host.
+    let guard = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .custom_flags(record::no_follow())
+        .open(root.join(".reconcile.lock"))
         .map_err(|e| Error::backend(RUNTIME, true, "opening the reconcile lock", e))?;
     match guard.try_lock() {
         Ok(()) => {}

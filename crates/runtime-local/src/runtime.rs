@@ -642,15 +642,30 @@ pub(crate) fn marker_value(scope: &str, id: &SessionId, generation: u64) -> Stri
 
 /// Kills a worker recorded by any broker process: by pid and start time when it was recorded, else
 /// by the marker in its environment. Waits a bounded time for it to go.
+///
+/// A record is untrusted input, so the process it names is signalled only if it is a worker of
+/// this session: the pid with its start time, carrying the session's marker. A record naming any
+/// other process (an edited record, a pid reused since) gets a warning and no signal.
 async fn kill_recorded(scope: &str, id: &SessionId, worker: &WorkerRecord) {
+    let session_marker = format!("{WORKER_MARKER}={scope}:{id}:");
     match worker.process {
-        Some(process) => {
+        Some(process) if process.is_alive() => {
+            if process::environment_entry(process.pid, &session_marker).is_none() {
+                tracing::warn!(
+                    session = %id,
+                    pid = process.pid,
+                    "the recorded worker process is not a worker of this session; not signalled"
+                );
+                return;
+            }
             let _ = process::signal_tree(process, Signal::KILL);
             let deadline = tokio::time::Instant::now() + ORPHAN_EXIT_WAIT;
             while process.is_alive() && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+        // Gone already (its remains are found by their marker, see `kill_leftovers`).
+        Some(_) => {}
         None => {
             let marker = format!("{WORKER_MARKER}={}", marker_value(scope, id, worker.generation));
             for pid in process::with_environment_entry(&marker) {

@@ -16,8 +16,13 @@
 //!   go on), and nothing outside the root is created, changed or deleted: a tree of victims
 //!   outside the root, the targets of every link, is compared byte for byte before and after.
 //!   Nothing the runtime cannot prove it created is deleted inside the root either.
+//! - [`a_record_naming_a_foreign_process_never_gets_it_signalled`]: a record claiming that some
+//!   other process of the host (in a process group of its own) is the session's worker, started
+//!   by a broker that is gone: `reconcile`, `attach` and `close` never signal it.
+//! - [`a_reconcile_lock_planted_as_a_link_is_an_error_and_its_target_is_untouched`].
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -479,4 +484,85 @@ async fn hostile_records_give_typed_errors_and_never_touch_anything_outside_root
         std::fs::read_to_string(outside.join("victim.txt")).expect("victim"),
         "precious\n"
     );
+}
+
+/// The start time of `pid` (field 22 of `/proc/<pid>/stat`), as the runtime records it.
+fn start_time(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let (_, rest) = stat.rsplit_once(") ").expect("stat format");
+    rest.split_ascii_whitespace()
+        .nth(19)
+        .and_then(|field| field.parse().ok())
+        .expect("start time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_naming_a_foreign_process_never_gets_it_signalled() {
+    let parent = tempfile::tempdir().expect("parent");
+    let root = parent.path().join("root");
+    let runtime = runtime(&root);
+    // Any process on the host, in a process group of its own, and a broker pid that is gone.
+    let mut victim = std::process::Command::new("sleep")
+        .arg("1000")
+        .process_group(0)
+        .spawn()
+        .expect("victim");
+    let mut finished = std::process::Command::new("true").spawn().expect("true");
+    let dead_broker = finished.id();
+    finished.wait().expect("reap");
+
+    let (id, record) = real_record(&runtime, &root, "foreign-pid").await;
+    let mut hostile = record.clone();
+    hostile["phase"] = serde_json::json!("running");
+    hostile["worker"] = serde_json::json!({
+        "generation": record["generation"],
+        "process": {"pid": victim.id(), "start_time": start_time(victim.id())},
+        "broker": {"pid": dead_broker, "start_time": 1},
+        "started_at": record["created_at"],
+    });
+    let path = root.join(id.as_str()).join("record.json");
+
+    // The garbage collector: the record says a worker of a dead broker runs.
+    write_json(&path, &hostile);
+    let report = runtime.reconcile().await.expect("reconcile");
+    assert_eq!(
+        victim.try_wait().expect("victim status"),
+        None,
+        "reconcile signalled a process that is not this session's worker: {report:?}"
+    );
+    // The record is repaired: no worker runs, so the session is suspended.
+    let status = runtime.status(&id).await.expect("status");
+    assert!(status.worker.is_none(), "{status:?}");
+
+    // A new worker start stops the recorded one first; and a close stops it too.
+    write_json(&path, &hostile);
+    drop(runtime.attach(&id).await.expect("attach"));
+    write_json(&path, &hostile);
+    match runtime.close(&id, CloseReason::Reset).await {
+        Ok(()) | Err(Error::Backend { .. }) => {}
+        Err(other) => panic!("close: unexpected {other:?}"),
+    }
+    assert_eq!(
+        victim.try_wait().expect("victim status"),
+        None,
+        "attach or close signalled a process that is not this session's worker"
+    );
+    victim.kill().expect("kill the victim");
+    victim.wait().expect("reap the victim");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconcile_lock_planted_as_a_link_is_an_error_and_its_target_is_untouched() {
+    let parent = tempfile::tempdir().expect("parent");
+    let root = parent.path().join("root");
+    let runtime = runtime(&root);
+    let victim = parent.path().join("victim.txt");
+    std::fs::write(&victim, "precious\n").expect("victim");
+    std::fs::create_dir_all(&root).expect("root");
+    std::os::unix::fs::symlink(&victim, root.join(".reconcile.lock")).expect("link");
+    match runtime.reconcile().await {
+        Err(Error::Backend { .. }) => {}
+        other => panic!("reconcile through a planted lock link: unexpected {other:?}"),
+    }
+    assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "precious\n");
 }

@@ -139,8 +139,9 @@
 //!   (`tests/reliability.rs`); the contract's conformance suite through a `RelayRuntime` whose
 //!   workers are `oab-relay serve -- acp-test-agent` (`tests/conformance.rs`); a bounded
 //!   randomized run of the decoder (`tests/decode_fuzz.rs`).
-//! - Fuzzing (nightly, or `RUSTC_BOOTSTRAP=1`):
-//!   `cd crates/worker-relay/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode -- -max_total_time=300`.
+//! - Fuzzing (cargo-fuzz; nightly, or stable with `RUSTC_BOOTSTRAP=1`): the workspace's
+//!   `fuzz/fuzz_targets/relay_frames.rs`, run by `./scripts/fuzz 300 relay_frames` (CI runs every
+//!   target for a bounded time).
 //! - Benchmarks: `cargo bench -p worker-relay --bench relay` (ratios against a raw pipe and raw
 //!   loopback TCP in the same run, and the relay's memory with a full replay buffer).
 

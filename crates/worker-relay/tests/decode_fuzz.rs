@@ -1,5 +1,5 @@
 //! A bounded randomized run of the frame decoder, so CI exercises what the cargo-fuzz target
-//! (`crates/worker-relay/fuzz`) does without nightly: no input panics the decoder, every error is
+//! (`fuzz/fuzz_targets/relay_frames.rs`) does without nightly: no input panics the decoder, every error is
 //! typed, and every accepted frame encodes back to exactly its bytes.
 
 use bytes::Bytes;
