@@ -166,3 +166,63 @@ fn ls_status_suspend_close_and_gc_manage_a_session() {
         "{gc:?}"
     );
 }
+
+#[test]
+fn run_suspends_at_stdin_eof_even_when_the_agent_ignores_eof() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path().join("sessions");
+    let config = write_config(
+        dir.path(),
+        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
+    );
+    // Real agents keep running when their stdin closes; so does this one.
+    let mut run = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "slack", "--thread", "eof", "--"])
+        .arg(env!("CARGO_BIN_EXE_oab-runtime"))
+        .args(["__acp-test-agent", "--ignore-stdin-eof"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    {
+        use std::io::Write;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":1}}\n")
+            .expect("write");
+    }
+    // `run` must end by itself; a hang is a failure, not a stuck test.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while run.try_wait().expect("run status").is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = run.kill();
+            panic!(
+                "run did not end after its stdin closed: {:?}",
+                run.wait_with_output()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let output = run.wait_with_output().expect("run output");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stderr}");
+    assert!(stdout.contains("\"id\":1"), "the agent answered first: {stdout}");
+    assert!(stderr.contains("suspended"), "{stderr}");
+    let ls = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    let listing = String::from_utf8_lossy(&ls.stdout);
+    assert!(
+        listing.lines().any(|l| l.contains("suspended")),
+        "the session is suspended, its worker stopped: {listing}"
+    );
+}

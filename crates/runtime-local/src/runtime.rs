@@ -794,11 +794,24 @@ impl SessionRuntime for LocalRuntime {
 
     async fn list(&self) -> Result<Vec<SessionStatus>> {
         let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
+        let mut ids: Vec<SessionId> = entries
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_str().and_then(|n| SessionId::parse(n).ok()))
+            .collect();
+        // Closed sessions whose storage is retained have their record in `.retained/<id>.<n>`.
+        let retained = layout::retained_dir(&self.settings.root);
+        if layout::plain_dir(&retained).unwrap_or(false) {
+            let entries =
+                fs::read_dir(&retained).map_err(|e| storage_error("listing retained sessions", e))?;
+            ids.extend(entries.flatten().filter_map(|entry| {
+                let name = entry.file_name().into_string().ok()?;
+                SessionId::parse(name.split_once('.')?.0).ok()
+            }));
+        }
+        ids.sort_unstable();
+        ids.dedup();
         let mut sessions = Vec::new();
-        for entry in entries.flatten() {
-            let Some(id) = entry.file_name().to_str().and_then(|n| SessionId::parse(n).ok()) else {
-                continue;
-            };
+        for id in ids {
             match self.status(&id).await {
                 Ok(status) => sessions.push(status),
                 Err(error) => tracing::warn!(session = %id, "skipping an unreadable session: {error}"),

@@ -582,13 +582,15 @@ async fn recover_and_check(
     }
 
     // 3 and 4. Storage and records.
-    let mut expected_live: BTreeSet<String> = BTreeSet::new();
+    // `list` names every session with a record: the open ones, and closed ones whose storage
+    // (with its record) is retained.
+    let mut expected_listed: BTreeSet<String> = BTreeSet::new();
     for thread in 0..THREADS {
         let id = setup.identity(thread).id();
         let known = model.session(thread).clone();
         let live = root.join(id.as_str());
         if known.open {
-            expected_live.insert(id.to_string());
+            expected_listed.insert(id.to_string());
             let status = runtime
                 .status(&id)
                 .await
@@ -618,6 +620,7 @@ async fn recover_and_check(
             match runtime.status(&id).await {
                 Ok(status) => {
                     assert!(known.retained, "t{thread}: {status:?}\n{context}");
+                    expected_listed.insert(id.to_string());
                     assert_eq!(status.state, SessionState::Closed);
                     assert!(
                         matches!(status.storage, StorageState::Retained { .. }),
@@ -643,8 +646,8 @@ async fn recover_and_check(
         .map(|s| s.id.to_string())
         .collect();
     assert_eq!(
-        listed, expected_live,
-        "list must name exactly the open sessions:\n{context}"
+        listed, expected_listed,
+        "list must name exactly the open and the retained sessions:\n{context}"
     );
 
     let mut tokens = Vec::new();

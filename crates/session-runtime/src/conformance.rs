@@ -580,6 +580,15 @@ pub async fn close_applies_retention_by_reason(target: &Target) -> Verdict {
             .expect("close");
         assert!(!control.is_alive(), "close must stop the worker ({reason})");
         let expected = target.retention.for_reason(reason);
+        let listed = within("list", target.runtime.list())
+            .await
+            .expect("list")
+            .into_iter()
+            .find(|status| status.id == id);
+        if expected == Retention::Retain {
+            let listed = listed.unwrap_or_else(|| panic!("list must show a retained session ({reason})"));
+            assert_eq!(listed.state, SessionState::Closed, "listed after close({reason})");
+        }
         match target.runtime.status(&id).await {
             Ok(status) => {
                 assert_eq!(status.state, SessionState::Closed);

@@ -81,6 +81,11 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///   not be started.
     /// - [`Fenced`](crate::Error::Fenced) if a concurrent attach won the race while this one was
     ///   starting its worker.
+    /// - [`StorageInUse`](crate::Error::StorageInUse) if another broker process runs the session's
+    ///   worker.
+    /// - [`Backend`](crate::Error::Backend): retryable for a session whose `create` has not
+    ///   finished (calling `create` again finishes it); not retryable for a session record that
+    ///   cannot be read.
     ///
     /// # Idempotency
     /// Each successful call yields the one live attachment; calling it again replaces that
@@ -99,6 +104,9 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     /// # Errors
     /// - [`NotFound`](crate::Error::NotFound) for an unknown session.
     /// - [`InvalidState`](crate::Error::InvalidState) for a closing or closed session.
+    /// - [`StorageInUse`](crate::Error::StorageInUse) if another broker process runs the session's
+    ///   worker.
+    /// - [`Backend`](crate::Error::Backend) if the session's record cannot be read or written.
     ///
     /// # Idempotency
     /// Suspending a suspended or never-attached session returns `Ok(())`.
@@ -112,8 +120,11 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     /// policy for `reason`.
     ///
     /// # Errors
+    /// - [`StorageInUse`](crate::Error::StorageInUse) if another broker process runs the session's
+    ///   worker: nothing was changed; retry once that broker has let it go.
     /// - [`Backend`](crate::Error::Backend) if stopping or deleting failed; the close is recorded
-    ///   and a retry or `reconcile` finishes it.
+    ///   and a retry or `reconcile` finishes it. Not retryable for a session record that cannot be
+    ///   read, whose storage is left in place.
     ///
     /// # Idempotency
     /// Closing a closed session, or one that never existed, returns `Ok(())` and changes nothing

@@ -2,12 +2,13 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use openab_runtime::{
-    AgentCommand, CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime,
+    AgentCommand, AgentOutput, CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime,
     SessionStatus, StorageState, SuspendReason,
 };
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::settings::Settings;
 use crate::{Cli, CloseArg, Command, SuspendArg};
@@ -170,7 +171,7 @@ async fn run(
         attachment.working_dir()
     );
     let input = attachment.input();
-    let to_agent = tokio::spawn(async move {
+    let mut to_agent = tokio::spawn(async move {
         let mut lines = BufReader::new(tokio::io::stdin()).lines();
         while let Ok(Some(line)) = lines.next_line().await {
             if line.trim().is_empty() {
@@ -184,9 +185,32 @@ async fn run(
         let _ = input.close().await;
     });
     let mut stdout = tokio::io::stdout();
-    let copied = tokio::select! {
-        copied = tokio::io::copy(attachment.output(), &mut stdout) => copied.map(drop),
-        _ = tokio::signal::ctrl_c() => Ok(()),
+    // The agent's output until it ends, Ctrl-C, or (after our stdin ended) a quiet spell: real
+    // agents keep running at stdin EOF, so waiting for their output to end could be forever.
+    let mut stdin_ended = false;
+    let mut buffer = vec![0u8; 64 * 1024];
+    let copied: std::io::Result<()> = loop {
+        let quiet_limit = stdin_ended.then_some(DRAIN_AFTER_STDIN_EOF);
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break Ok(()),
+            _ = &mut to_agent, if !stdin_ended => stdin_ended = true,
+            read = read_within(attachment.output(), &mut buffer, quiet_limit) => match read {
+                Ok(Some(0)) => break Ok(()),
+                Ok(Some(n)) => {
+                    if let Err(error) = stdout.write_all(&buffer[..n]).await {
+                        break Err(error);
+                    }
+                    let _ = stdout.flush().await;
+                }
+                Ok(None) => {
+                    eprintln!(
+                        "stdin ended and the agent was quiet for {DRAIN_AFTER_STDIN_EOF:?}; suspending"
+                    );
+                    break Ok(());
+                }
+                Err(error) => break Err(error),
+            },
+        }
     };
     let _ = stdout.flush().await;
     to_agent.abort();
@@ -204,6 +228,26 @@ async fn run(
     );
     copied?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long `run` keeps relaying the agent's output after its own stdin ended, once the agent
+/// falls quiet.
+const DRAIN_AFTER_STDIN_EOF: Duration = Duration::from_secs(2);
+
+/// Reads from `output`; `Ok(None)` if `limit` passes without a byte.
+async fn read_within(
+    output: &mut AgentOutput,
+    buffer: &mut [u8],
+    limit: Option<Duration>,
+) -> std::io::Result<Option<usize>> {
+    let read = output.read(buffer);
+    match limit {
+        None => read.await.map(Some),
+        Some(limit) => match tokio::time::timeout(limit, read).await {
+            Ok(read) => read.map(Some),
+            Err(_) => Ok(None),
+        },
+    }
 }
 
 pub(crate) fn test_agent(args: &[String]) -> ExitCode {

@@ -37,7 +37,8 @@ enum Command {
         root: Option<PathBuf>,
     },
     /// Create (or reuse) the session of a thread, attach, and pipe the agent's ACP stdio to this
-    /// terminal. The session is suspended when stdin ends.
+    /// terminal. When stdin ends, the session is suspended once the agent's output ends or falls
+    /// quiet for two seconds.
     Run {
         /// The platform part of the identity, e.g. `discord`.
         #[arg(long)]
