@@ -15,6 +15,8 @@
 //! works. The tests in this file are serialized: the descriptor and child counts are of the
 //! whole test process.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -23,10 +25,9 @@ use std::time::{Duration, Instant};
 
 use runtime_local::LocalRuntime;
 use session_runtime::config::SandboxMode;
-use session_runtime::testing::{acp_test_agent_binary, AcpClient};
+use session_runtime::testing::AcpClient;
 use session_runtime::{
-    AgentCommand, CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState,
-    SuspendReason,
+    CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState, SuspendReason,
 };
 use tokio::io::AsyncReadExt;
 
@@ -44,27 +45,10 @@ const SETTLE: Duration = Duration::from_secs(20);
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn runtime(root: &Path, mode: SandboxMode) -> Option<Arc<LocalRuntime>> {
-    let agent = AgentCommand::new(
-        acp_test_agent_binary()
-            .expect("acp-test-agent")
-            .display()
-            .to_string(),
-    );
-    match LocalRuntime::builder(agent)
-        .root(root)
-        .installation(INSTALLATION)
-        .sandbox(mode)
-        .terminate_grace(Duration::from_secs(2))
-        .build()
-    {
-        Ok(runtime) => Some(Arc::new(runtime)),
-        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
-            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
-            eprintln!("skipping: sandbox {mode} does not work here: {reason}");
-            None
-        }
-        Err(error) => panic!("runtime: {error}"),
-    }
+    common::build_if_supported(
+        common::builder(root, INSTALLATION, mode).terminate_grace(Duration::from_secs(2)),
+        mode,
+    )
 }
 
 fn identity(thread: &str) -> SessionIdentity {
@@ -395,16 +379,7 @@ async fn generations_keep_growing_across_a_deleting_close() {
     use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
 
     let root = tempfile::tempdir().expect("root");
-    let agent = session_runtime::AgentCommand::new(
-        session_runtime::testing::acp_test_agent_binary()
-            .expect("agent")
-            .display()
-            .to_string(),
-    );
-    let runtime = runtime_local::LocalRuntime::builder(agent)
-        .root(root.path())
-        .installation("generations")
-        .sandbox(session_runtime::config::SandboxMode::None)
+    let runtime = common::builder(root.path(), "generations", SandboxMode::None)
         .build()
         .expect("runtime");
     let identity = SessionIdentity::new("generations", "agent", "discord", "1").expect("identity");

@@ -3,35 +3,30 @@
 //! kernel offers it, and elsewhere the builder must refuse it with the documented configuration
 //! error (checked, and the skip printed).
 
+mod common;
+
 use std::sync::Arc;
 
 use runtime_local::LocalRuntime;
 use session_runtime::config::SandboxMode;
 use session_runtime::conformance::{self, run_all, Target, Verdict, BEHAVIOURS};
-use session_runtime::testing::acp_test_agent_binary;
-use session_runtime::{AgentCommand, Error, Retention, RetentionPolicy};
+use session_runtime::{Retention, RetentionPolicy};
 
 async fn passes_every_behaviour(sandbox: SandboxMode) {
     let root = tempfile::tempdir().expect("temporary root");
-    let agent = AgentCommand::new(
-        acp_test_agent_binary()
-            .expect("acp-test-agent")
-            .display()
-            .to_string(),
-    );
-    let built = LocalRuntime::builder(agent)
-        .root(root.path())
-        .installation("conformance")
-        .sandbox(sandbox)
-        .build();
-    let runtime = match built {
-        Ok(runtime) => Arc::new(runtime),
-        Err(Error::InvalidConfig { key, reason }) if sandbox == SandboxMode::Landlock => {
-            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
-            eprintln!("skipping: Landlock does not work on this machine: {reason}");
+    let builder = common::builder(root.path(), "conformance", sandbox);
+    let runtime = if sandbox == SandboxMode::Landlock {
+        let Some(runtime) = common::build_if_supported(builder, sandbox) else {
             return;
-        }
-        Err(error) => panic!("building the {sandbox} runtime: {error}"),
+        };
+        runtime
+    } else {
+        // Plain and bubblewrap must work here: a refusal is a failure, not a skip.
+        Arc::new(
+            builder
+                .build()
+                .unwrap_or_else(|e| panic!("building the {sandbox} runtime: {e}")),
+        )
     };
     let target = Target::new(Arc::<LocalRuntime>::clone(&runtime), "conformance").with_faults(runtime);
     let report = run_all(&target).await;
@@ -61,20 +56,11 @@ async fn landlock_mode_passes_conformance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_storage_is_kept_listed_and_left_by_a_new_session() {
     let root = tempfile::tempdir().expect("temporary root");
-    let agent = AgentCommand::new(
-        acp_test_agent_binary()
-            .expect("acp-test-agent")
-            .display()
-            .to_string(),
-    );
     let mut retention = RetentionPolicy::default();
     retention.ended = Retention::Retain;
     retention.expired = Retention::Retain;
     let runtime = Arc::new(
-        LocalRuntime::builder(agent)
-            .root(root.path())
-            .installation("conformance")
-            .sandbox(SandboxMode::Bubblewrap)
+        common::builder(root.path(), "conformance", SandboxMode::Bubblewrap)
             .retention(retention.clone())
             .build()
             .expect("local runtime"),

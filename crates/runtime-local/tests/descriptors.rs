@@ -10,16 +10,16 @@
 //! starts a worker, so another test's worker starting in between would make this one pass for
 //! the wrong reason. The flag is cleared again (and checked) before each mode's attach.
 
+mod common;
+
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
-use std::sync::Arc;
 
-use runtime_local::LocalRuntime;
 use rustix::fs::{Mode, OFlags};
 use rustix::io::FdFlags;
 use session_runtime::config::SandboxMode;
-use session_runtime::testing::{acp_test_agent_binary, AcpClient};
-use session_runtime::{AgentCommand, CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime};
+use session_runtime::testing::AcpClient;
+use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
 
 const INSTALLATION: &str = "descriptors";
 
@@ -51,23 +51,6 @@ fn clear_cloexec(fd: &OwnedFd) {
     );
 }
 
-fn build(mode: SandboxMode, root: &Path, agent: &Path) -> Option<Arc<LocalRuntime>> {
-    match LocalRuntime::builder(AgentCommand::new(agent.display().to_string()))
-        .root(root)
-        .installation(INSTALLATION)
-        .sandbox(mode)
-        .build()
-    {
-        Ok(runtime) => Some(Arc::new(runtime)),
-        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
-            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
-            eprintln!("skipping {mode}: it does not work on this machine: {reason}");
-            None
-        }
-        Err(error) => panic!("building the {mode} runtime: {error}"),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_descriptor_the_broker_inherited_never_reaches_a_worker() {
     let scratch = tempfile::tempdir().expect("scratch");
@@ -75,7 +58,6 @@ async fn a_descriptor_the_broker_inherited_never_reaches_a_worker() {
     std::fs::write(&sentinel_path, "not for agents").expect("sentinel");
     let sentinel = inheritable(&sentinel_path);
     let number = sentinel.as_raw_fd();
-    let agent = acp_test_agent_binary().expect("acp-test-agent");
 
     // The control: a process spawned without the runtime inherits it, and the probe shows it.
     let control = std::process::Command::new("/bin/sh")
@@ -91,7 +73,8 @@ async fn a_descriptor_the_broker_inherited_never_reaches_a_worker() {
     let mut ran = Vec::new();
     for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
         let root = scratch.path().join(format!("root-{mode}"));
-        let Some(runtime) = build(mode, &root, &agent) else {
+        let Some(runtime) = common::build_if_supported(common::builder(&root, INSTALLATION, mode), mode)
+        else {
             continue;
         };
         let identity =

@@ -21,6 +21,8 @@
 //!   by a broker that is gone: `reconcile`, `attach` and `close` never signal it.
 //! - [`a_reconcile_lock_planted_as_a_link_is_an_error_and_its_target_is_untouched`].
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -28,26 +30,16 @@ use std::sync::Arc;
 
 use runtime_local::LocalRuntime;
 use session_runtime::config::SandboxMode;
-use session_runtime::testing::{acp_test_agent_binary, AcpClient};
+use session_runtime::testing::AcpClient;
 use session_runtime::{
-    AgentCommand, CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime,
-    SuspendReason,
+    CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime, SuspendReason,
 };
 
 const INSTALLATION: &str = "hostile";
 
-fn agent() -> AgentCommand {
-    AgentCommand::new(
-        acp_test_agent_binary()
-            .expect("acp-test-agent")
-            .display()
-            .to_string(),
-    )
-}
-
 fn runtime(root: &Path) -> Arc<LocalRuntime> {
     Arc::new(
-        LocalRuntime::builder(agent())
+        LocalRuntime::builder(common::test_agent())
             .root(root)
             .installation(INSTALLATION)
             .sandbox(SandboxMode::None)
@@ -178,7 +170,7 @@ async fn hostile_identities_are_typed_errors_or_only_name_a_hashed_directory() {
         );
     }
     // A runtime refuses hostile installations, and identities of other installations.
-    match LocalRuntime::builder(agent())
+    match LocalRuntime::builder(common::test_agent())
         .root(parent.path().join("other"))
         .installation("../../etc")
         .build()
@@ -186,7 +178,10 @@ async fn hostile_identities_are_typed_errors_or_only_name_a_hashed_directory() {
         Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "session_runtime.installation"),
         other => panic!("a hostile installation must be refused, got {other:?}"),
     }
-    match LocalRuntime::builder(agent()).root("relative/../root").build() {
+    match LocalRuntime::builder(common::test_agent())
+        .root("relative/../root")
+        .build()
+    {
         Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "session_runtime.local.root"),
         other => panic!("a relative root must be refused, got {other:?}"),
     }

@@ -12,6 +12,8 @@
 //! A mode this machine cannot run (no bubblewrap, a kernel without Landlock, not root) is checked
 //! to be refused by the builder with a configuration error instead, and the test returns early.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -21,20 +23,10 @@ use isolation_suite::{
 };
 use runtime_local::LocalRuntime;
 use session_runtime::config::{ReadonlyMount, SandboxMode};
-use session_runtime::testing::acp_test_agent_binary;
-use session_runtime::{AgentCommand, Error, IsolationLevel, SessionRuntime, SessionState};
+use session_runtime::{Error, IsolationLevel, SessionRuntime, SessionState};
 
 const INSTALLATION: &str = "isolation";
 const SKILL: &str = "# shared skill\nread-only for every session\n";
-
-fn agent() -> AgentCommand {
-    AgentCommand::new(
-        acp_test_agent_binary()
-            .expect("acp-test-agent")
-            .display()
-            .to_string(),
-    )
-}
 
 /// A directory of shared skills, readable (not writable) by every uid, with `SKILL.md`.
 fn skills_dir() -> tempfile::TempDir {
@@ -74,21 +66,7 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// Builds the runtime, or `None` if this machine cannot run `mode` (after checking that the
 /// refusal is the documented configuration error).
 fn build(mode: SandboxMode, root: &Path, readonly: Vec<ReadonlyMount>) -> Option<Arc<LocalRuntime>> {
-    match LocalRuntime::builder(agent())
-        .root(root)
-        .installation(INSTALLATION)
-        .sandbox(mode)
-        .readonly(readonly)
-        .build()
-    {
-        Ok(runtime) => Some(Arc::new(runtime)),
-        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
-            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
-            eprintln!("skipping: sandbox {mode} does not work on this machine: {reason}");
-            None
-        }
-        Err(error) => panic!("building the {mode} runtime: {error}"),
-    }
+    common::build_if_supported(common::builder(root, INSTALLATION, mode).readonly(readonly), mode)
 }
 
 async fn run_suite(runtime: &Arc<LocalRuntime>, options: &SuiteOptions) -> IsolationReport {

@@ -8,6 +8,8 @@
 //! - a clone that fails is a typed error that says so, and a later create of the same thread
 //!   with a working seed provisions the session from scratch.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -16,10 +18,8 @@ use std::sync::Arc;
 
 use runtime_local::LocalRuntime;
 use session_runtime::config::SandboxMode;
-use session_runtime::testing::{acp_test_agent_binary, AcpClient};
-use session_runtime::{
-    AgentCommand, CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed,
-};
+use session_runtime::testing::AcpClient;
+use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed};
 
 const INSTALLATION: &str = "seeds";
 const CREDENTIALS: &str = "{\"token\": \"admin-provided\"}\n";
@@ -103,22 +103,10 @@ fn repository(dir: &Path) -> PathBuf {
 }
 
 fn build(mode: SandboxMode, root: &Path, template: &Path) -> Option<Arc<LocalRuntime>> {
-    let agent = acp_test_agent_binary().expect("acp-test-agent");
-    match LocalRuntime::builder(AgentCommand::new(agent.display().to_string()))
-        .root(root)
-        .installation(INSTALLATION)
-        .sandbox(mode)
-        .home_template(template)
-        .build()
-    {
-        Ok(runtime) => Some(Arc::new(runtime)),
-        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
-            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
-            eprintln!("skipping {mode}: it does not work on this machine: {reason}");
-            None
-        }
-        Err(error) => panic!("building the {mode} runtime: {error}"),
-    }
+    common::build_if_supported(
+        common::builder(root, INSTALLATION, mode).home_template(template),
+        mode,
+    )
 }
 
 fn clone_of(repo: &Path, reference: Option<&str>) -> CreateOptions {

@@ -133,7 +133,9 @@ impl ClientConfig {
         self
     }
 
-    /// Unacknowledged agent input kept for resending before writes wait (default 1 MiB).
+    /// Unacknowledged agent input kept for resending before writes wait (default 1 MiB). Keep it
+    /// below the relay's input bound (`RelayConfig::input_bytes`, 4 MiB by default), which
+    /// refuses a client with more unacknowledged input as `input-overflow`.
     pub fn input_window(mut self, bytes: usize) -> Self {
         self.input_window = bytes.max(1);
         self
@@ -514,7 +516,9 @@ impl WorkerControl for RelayControl {
     }
 
     /// Sends `SIGTERM` to the agent's process group through the relay, which sends `SIGKILL`
-    /// after `grace`; waits for the exit the relay reports.
+    /// after `grace`; waits for the exit the relay reports. From then on, output the reader has
+    /// not taken beyond the output buffer is discarded, so the exit report is never held up
+    /// behind it. The request is sent again after a reconnect; the relay forwards it once.
     async fn terminate(&self, grace: Duration) -> session_runtime::Result<WorkerExit> {
         if let Some(exit) = self.shared.exit.get() {
             return Ok(exit);
@@ -917,10 +921,14 @@ async fn push_output(shared: &Shared, seq: Seq, payload: Bytes) -> bool {
 /// Queues `payload` (taking it) if there is room or nobody needs it bounded; `false` to wait.
 fn try_push_output(shared: &Shared, seq: Seq, payload: &mut Option<Bytes>) -> bool {
     let mut state = shared.state.lock();
-    let discard = !state.out_open || shared.fence.is_fenced();
-    if !(discard || state.terminating || state.out_bytes < shared.config.output_buffer) {
+    let full = state.out_bytes >= shared.config.output_buffer;
+    if full && !state.terminating && state.out_open && !shared.fence.is_fenced() {
         return false;
     }
+    // Output nobody reads, and output beyond the bound once the agent is being stopped: waiting
+    // for room then would hold up the exit report behind it (and an agent that floods its stdout
+    // while it stops must not grow the broker's memory).
+    let discard = !state.out_open || shared.fence.is_fenced() || (full && state.terminating);
     let _ = state.output.accept(seq);
     let waker = match payload.take() {
         Some(payload) if !discard && !payload.is_empty() => {

@@ -66,6 +66,7 @@ impl RelayError {
                     | ErrorCode::UnsupportedVersion
                     | ErrorCode::ResumeGap
                     | ErrorCode::SpawnFailed
+                    | ErrorCode::InputOverflow
             ),
             RelayError::Diverged | RelayError::GaveUp { .. } => true,
             RelayError::Connect(_)
@@ -83,7 +84,7 @@ impl RelayError {
     /// | `superseded`, `stale-epoch`, input diverged | [`Error::Fenced`] (by the same generation) |
     /// | `resume-gap` | [`Error::Disconnected`] |
     /// | `spawn-failed` | [`Error::WorkerFailed`] with [`WorkerFailure::Spawn`] |
-    /// | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version` | [`Error::Backend`], not retryable |
+    /// | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | [`Error::Backend`], not retryable |
     /// | never connected within the reconnect budget | [`Error::Backend`], retryable |
     /// | connection lost for longer than the reconnect budget, anything else | [`Error::Disconnected`] |
     pub(crate) fn to_runtime(self: &Arc<Self>, id: SessionId, generation: Generation) -> Error {
@@ -109,6 +110,10 @@ impl RelayError {
                 | ErrorCode::SessionMismatch
                 | ErrorCode::BadToken
                 | ErrorCode::UnsupportedVersion => backend(false, "the worker relay refused the connection"),
+                ErrorCode::InputOverflow => backend(
+                    false,
+                    "the worker relay refused more input than it buffers: the client's input window exceeds it",
+                ),
                 _ => Error::Disconnected { id },
             },
             RelayError::Diverged => Error::Fenced {

@@ -69,7 +69,12 @@
 //!   first delivers the input written to it and acknowledges the output it received (best effort,
 //!   within 2 s).
 //! - **Independent directions.** Reading and writing never wait on each other, on either side, so
-//!   a `session/cancel` gets through while a turn streams to a broker that reads slowly.
+//!   a `session/cancel` gets through while a turn streams to a broker that reads slowly. The
+//!   relay takes input off the connection at once and writes it to the agent from a task of its
+//!   own, acknowledging each item once written: an agent that stops reading its stdin holds up
+//!   neither the acknowledgements nor the heartbeats and signals behind its input. What it holds
+//!   unwritten is bounded (`input_bytes`, 4 MiB; more is refused with `input-overflow`), and a
+//!   client never has more than its input window (1 MiB) unacknowledged.
 //! - **How it ended.** The relay reports the agent's exit code or signal as the last output item
 //!   and ends once a broker acknowledged it (or after `--linger`).
 //!
@@ -83,7 +88,7 @@
 //! | `superseded`, `stale-epoch`, or the relay's input moved past this client's | `Fenced` (by the same generation) |
 //! | `resume-gap` | `Disconnected` |
 //! | `spawn-failed` | `WorkerFailed` with `WorkerFailure::Spawn` |
-//! | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version` | `Backend`, not retryable |
+//! | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | `Backend`, not retryable |
 //! | no connection within the reconnect budget on attach | `Backend`, retryable |
 //! | connection lost for longer than the reconnect budget | `Disconnected` |
 //!

@@ -48,8 +48,9 @@ struct Serve {
     /// TCP address for the framed protocol (repeatable); default 0.0.0.0:7780 unless --http is given.
     #[arg(long)]
     listen: Vec<SocketAddr>,
-    /// HTTP address for AgentCore's contract: GET /ping, WebSocket /ws, POST /invocations.
-    #[arg(long)]
+    /// HTTP address for AgentCore's contract: GET /ping, WebSocket /ws, POST /invocations;
+    /// `--http` alone listens on AgentCore's 0.0.0.0:8080.
+    #[arg(long, num_args = 0..=1, default_missing_value = "0.0.0.0:8080")]
     http: Option<SocketAddr>,
     /// The session id (default: $OAB_RELAY_SESSION).
     #[arg(long)]
@@ -63,6 +64,10 @@ struct Serve {
     /// Bound of unacknowledged agent output kept for replay, in bytes.
     #[arg(long, default_value_t = worker_relay::server::DEFAULT_REPLAY_BYTES)]
     replay_bytes: usize,
+    /// Bound of broker input not yet written to the agent's stdin, in bytes (a broker with more
+    /// unacknowledged input is refused with input-overflow).
+    #[arg(long, default_value_t = worker_relay::server::DEFAULT_INPUT_BYTES)]
+    input_bytes: usize,
     /// What to do when the replay buffer is full.
     #[arg(long, value_enum, default_value = "block")]
     overflow: OverflowArg,
@@ -141,6 +146,7 @@ async fn run_serve(serve: Serve) -> i32 {
     };
     let mut config = RelayConfig::new(session, generation, token_hash, serve.agent)
         .replay_bytes(serve.replay_bytes)
+        .input_bytes(serve.input_bytes)
         .overflow(match serve.overflow {
             OverflowArg::Block => Overflow::Block,
             OverflowArg::Discard => Overflow::Discard,

@@ -336,13 +336,16 @@ pub enum ErrorCode {
     IdleTimeout,
     /// 16: an internal failure of the sender.
     Internal,
+    /// 17: the broker sent more input than the relay holds unwritten (see the relay's
+    /// `input_bytes`): its input window is larger than the relay allows.
+    InputOverflow,
     /// A code this version does not know.
     Unknown(u16),
 }
 
 impl ErrorCode {
     /// Every known code.
-    pub const KNOWN: [ErrorCode; 16] = [
+    pub const KNOWN: [ErrorCode; 17] = [
         ErrorCode::BadFrame,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnexpectedFrame,
@@ -359,6 +362,7 @@ impl ErrorCode {
         ErrorCode::HandshakeTimeout,
         ErrorCode::IdleTimeout,
         ErrorCode::Internal,
+        ErrorCode::InputOverflow,
     ];
 
     /// The code on the wire.
@@ -380,6 +384,7 @@ impl ErrorCode {
             ErrorCode::HandshakeTimeout => 14,
             ErrorCode::IdleTimeout => 15,
             ErrorCode::Internal => 16,
+            ErrorCode::InputOverflow => 17,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -403,6 +408,7 @@ impl ErrorCode {
             14 => ErrorCode::HandshakeTimeout,
             15 => ErrorCode::IdleTimeout,
             16 => ErrorCode::Internal,
+            17 => ErrorCode::InputOverflow,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -426,6 +432,7 @@ impl ErrorCode {
             ErrorCode::HandshakeTimeout => "handshake-timeout",
             ErrorCode::IdleTimeout => "idle-timeout",
             ErrorCode::Internal => "internal",
+            ErrorCode::InputOverflow => "input-overflow",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -415,3 +415,40 @@ async fn duplicate_input_is_dropped_and_a_gap_is_refused() {
         }
     }
 }
+
+/// A client whose input window is larger than the relay's input bound (here: an agent that
+/// never reads, a 64 KiB bound, the default 1 MiB window) is refused with `input-overflow`, which
+/// the attachment reports as a non-retryable backend error, never as silent loss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_beyond_the_relay_bound_is_refused_as_input_overflow() {
+    let relay = RelayProcess::start(
+        common::session("input-overflow"),
+        &sh("exec sleep 30"),
+        RelayOptions {
+            extra: vec!["--input-bytes".into(), "65536".into()],
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    let input = attachment.input();
+    let line = "y".repeat(32 * 1024);
+    // The writes are taken by the client's window; the relay refuses once 64 KiB are unwritten.
+    for _ in 0..4 {
+        if input.write_line(&line).await.is_err() {
+            break;
+        }
+    }
+    let mut buf = [0u8; 16];
+    let error = within("the refusal", attachment.output().read(&mut buf))
+        .await
+        .expect_err("the stream ends with the refusal");
+    match Error::from_io(&error) {
+        Some(Error::Backend {
+            retryable: false,
+            message,
+            ..
+        }) => assert!(message.contains("input"), "{message}"),
+        other => panic!("expected a non-retryable backend error, got {other:?} ({error})"),
+    }
+}

@@ -509,3 +509,40 @@ async fn http_request(addr: std::net::SocketAddr, request: &str) -> (u16, String
         .unwrap_or_default();
     (status, body)
 }
+
+/// A terminate requested twice (a client resends its request after a reconnect) reaches the agent
+/// as one SIGTERM; the SIGKILL after the grace period still follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_terminate_is_one_sigterm() {
+    let relay = RelayProcess::start(
+        common::session("one-term"),
+        &sh("trap 'echo TERM' TERM; echo ready; while :; do sleep 0.05; done"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_line(&mut attachment).await, "ready");
+    let (first, second) = (attachment.control(), attachment.control());
+    let grace = Duration::from_millis(1500);
+    let (a, b) = within("two terminates", async {
+        let first = tokio::spawn(async move { first.terminate(grace).await });
+        // The first request is on the wire before the second is made: two signal frames.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = second.terminate(grace).await;
+        (first.await.expect("first terminate"), second)
+    })
+    .await;
+    assert_eq!(
+        a.expect("terminate"),
+        WorkerExit::Signal(9),
+        "SIGKILL after the grace"
+    );
+    assert_eq!(b.expect("terminate"), WorkerExit::Signal(9));
+    let mut rest = String::new();
+    let _ = within(
+        "the rest of the output",
+        attachment.output().read_to_string(&mut rest),
+    )
+    .await;
+    assert_eq!(rest.matches("TERM").count(), 1, "the agent saw: {rest:?}");
+}

@@ -263,3 +263,44 @@ async fn invocations(addr: std::net::SocketAddr) -> String {
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default()
 }
+
+/// An echo agent whose output the broker reads only later: the relay's replay buffer fills, the
+/// agent blocks on its stdout and stops reading its stdin, and the broker's acknowledgements (and
+/// anything else) queue behind input the agent does not read. The relay must still take them, or
+/// nothing ever moves again (over a pipe the same pattern completes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_the_agent_does_not_read_never_holds_up_the_acknowledgements_behind_it() {
+    const LINES: usize = 96;
+    const LINE: usize = 64 * 1024;
+    let relay = RelayProcess::start(
+        common::session("head-of-line"),
+        &["cat".into()],
+        RelayOptions {
+            extra: vec!["--replay-bytes".into(), "65536".into()],
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let attachment = relay.attach().await;
+    let (mut output, input, _control) = attachment.into_split();
+    let writer = tokio::spawn(async move {
+        let line = "x".repeat(LINE - 1);
+        for _ in 0..LINES {
+            input.write_line(&line).await.expect("write");
+        }
+    });
+    // Let the input pile up against the blocked agent before reading anything.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut received = 0usize;
+    let mut buffer = vec![0u8; 256 * 1024];
+    within("reading the whole echo", async {
+        while received < LINES * LINE {
+            let n = output.read(&mut buffer).await.expect("read");
+            assert!(n > 0, "the output ended after {received} bytes");
+            received += n;
+        }
+    })
+    .await;
+    within("the writer", writer).await.expect("writer");
+    assert_eq!(received, LINES * LINE);
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use rustix::process::{Pid, Signal, WaitOptions};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{ChildStdin, ChildStdout};
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -30,14 +30,14 @@ const SPARE_BUFFERS: usize = 4;
 /// larger pipes mean fewer wake-ups per megabyte.
 const PIPE_SIZE: usize = 1 << 20;
 
-/// A started agent: its pid (which is also its process group id) and stdin.
+/// A started agent: its pid (which is also its process group id).
 pub(crate) struct Spawned {
     pub(crate) pid: u32,
-    pub(crate) stdin: ChildStdin,
 }
 
-/// Starts the agent in its own process group, with stdout piped to the output log and stderr
-/// passed through, and starts the tasks that pump its output and reap it.
+/// Starts the agent in its own process group, with stdin fed from the broker's input, stdout
+/// piped to the output log and stderr passed through, and starts the tasks that pump its input
+/// and output and reap it.
 pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     let config = &inner.config;
     // Listen for SIGCHLD before the child exists, so its exit cannot be missed.
@@ -67,9 +67,38 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     drop(child);
     let stdin = ChildStdin::from_std(stdin)?;
     let stdout = ChildStdout::from_std(stdout)?;
+    tokio::spawn(pump_stdin(Arc::clone(inner), stdin));
     tokio::spawn(pump_stdout(Arc::clone(inner), stdout));
     tokio::spawn(reap(Arc::clone(inner), pid, sigchld));
-    Ok(Spawned { pid, stdin })
+    Ok(Spawned { pid })
+}
+
+/// Writes the broker's input to the agent's stdin, in order, until the relay is done. It runs
+/// apart from the connections: while the agent does not read, only this task waits, and the
+/// acknowledgements, heartbeats and signals behind the input still arrive.
+async fn pump_stdin(inner: Arc<Inner>, stdin: ChildStdin) {
+    let mut stdin = Some(stdin);
+    while let Some((seq, payload)) = inner.next_input().await {
+        let len = payload.as_ref().map_or(0, |bytes| bytes.len());
+        match payload {
+            Some(bytes) => {
+                if let Some(pipe) = stdin.as_mut() {
+                    if let Err(error) = pipe.write_all(&bytes).await {
+                        // The agent closed its stdin or exited; what it did not read is gone
+                        // with it, exactly as with a pipe.
+                        tracing::debug!(%error, "the agent's stdin is closed");
+                        stdin = None;
+                    }
+                }
+            }
+            None => {
+                if let Some(mut pipe) = stdin.take() {
+                    let _ = pipe.shutdown().await;
+                }
+            }
+        }
+        inner.input_written(seq, len);
+    }
 }
 
 /// Moves the agent's stdout into the output log until EOF, respecting the log's bound.

@@ -144,8 +144,8 @@ async fn read_loop<R: AsyncRead + Unpin>(
             Ok(Some(frame)) => frame,
         };
         let handled = match frame {
-            Frame::Data { seq, payload } => inner.input(id, seq, Some(payload)).await,
-            Frame::Eof { seq } => inner.input(id, seq, None).await,
+            Frame::Data { seq, payload } => inner.input(id, seq, Some(payload)),
+            Frame::Eof { seq } => inner.input(id, seq, None),
             Frame::Ack { seq } => inner.output_ack(id, seq),
             Frame::Ping { nonce } => {
                 let _ = commands.try_send(Command::Pong(nonce));

@@ -7,6 +7,7 @@ mod http;
 
 mod log;
 
+use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,8 +17,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio::process::ChildStdin;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use self::log::OutputLog;
@@ -32,6 +32,10 @@ pub const DEFAULT_PORT: u16 = 7780;
 
 /// Default bound of the replay buffer: 16 MiB of unacknowledged agent output.
 pub const DEFAULT_REPLAY_BYTES: usize = 16 << 20;
+
+/// The default bound of broker input received but not yet written to the agent's stdin: 4 MiB,
+/// four times the client's default input window.
+pub const DEFAULT_INPUT_BYTES: usize = 4 << 20;
 
 /// Default heartbeat interval.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(30);
@@ -71,6 +75,7 @@ pub struct RelayConfig {
     args: Vec<OsString>,
     working_dir: PathBuf,
     replay_bytes: usize,
+    input_bytes: usize,
     overflow: Overflow,
     heartbeat: Duration,
     idle_timeout: Duration,
@@ -98,6 +103,7 @@ impl RelayConfig {
             args: argv.collect(),
             working_dir: std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")),
             replay_bytes: DEFAULT_REPLAY_BYTES,
+            input_bytes: DEFAULT_INPUT_BYTES,
             overflow: Overflow::Block,
             heartbeat: DEFAULT_HEARTBEAT,
             idle_timeout: DEFAULT_HEARTBEAT * 3,
@@ -118,6 +124,17 @@ impl RelayConfig {
     /// [`DEFAULT_REPLAY_BYTES`]). The buffer holds at most this plus one 256 KiB read.
     pub fn replay_bytes(mut self, bytes: usize) -> Self {
         self.replay_bytes = bytes;
+        self
+    }
+
+    /// The bound of broker input received but not yet written to the agent's stdin (default
+    /// [`DEFAULT_INPUT_BYTES`]). Input is read off the connection at once and written to the
+    /// agent by a task of its own, so an agent that does not read its stdin never holds up the
+    /// acknowledgements, heartbeats and signals behind its input; it is acknowledged once
+    /// written, which bounds what a client sends. A broker with more than this unacknowledged is
+    /// refused with `input-overflow`: keep clients' input windows below it.
+    pub fn input_bytes(mut self, bytes: usize) -> Self {
+        self.input_bytes = bytes.max(1);
         self
     }
 
@@ -261,19 +278,21 @@ impl Relay {
                     log: OutputLog::new(),
                     agent: AgentState::NotStarted,
                     agent_pid: None,
-                    pending_stdin: None,
                     input_accepted: 0,
                     stdout_closed: false,
+                    terminating: false,
                     exit_seq: None,
                     finished: None,
                     last_activity: unix_now(),
                 }),
                 changed: watch::channel(0).0,
-                input: tokio::sync::Mutex::new(InputSide {
+                input: Mutex::new(InputQueue {
                     sequencer: Sequencer::default(),
                     eof: false,
-                    stdin: None,
+                    items: VecDeque::new(),
+                    bytes: 0,
                 }),
+                input_ready: Notify::new(),
                 done: CancellationToken::new(),
                 agent_gone: CancellationToken::new(),
             }),
@@ -409,8 +428,10 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     /// Bumped on every change writers or the stdout pump may wait for.
     changed: watch::Sender<u64>,
-    /// Broker input, handled one item at a time across connections.
-    input: tokio::sync::Mutex<InputSide>,
+    /// Broker input received and not yet written to the agent's stdin.
+    input: Mutex<InputQueue>,
+    /// Wakes the stdin pump when input arrives.
+    input_ready: Notify,
     /// Cancelled when the relay is done.
     pub(crate) done: CancellationToken,
     /// Cancelled when the agent exited (a signal of its own, so that the stdout pump does not
@@ -428,9 +449,11 @@ struct State {
     agent: AgentState,
     /// The agent's pid (and process group id), once started.
     agent_pid: Option<u32>,
-    pending_stdin: Option<ChildStdin>,
+    /// The last input item written to the agent's stdin (and so acknowledged).
     input_accepted: Seq,
     stdout_closed: bool,
+    /// Whether a SIGTERM was forwarded to the agent.
+    terminating: bool,
     exit_seq: Option<Seq>,
     finished: Option<i32>,
     last_activity: u64,
@@ -448,11 +471,17 @@ struct CurrentConn {
     superseded: CancellationToken,
 }
 
+/// Broker input between the connection and the agent's stdin.
 #[derive(Debug)]
-struct InputSide {
+struct InputQueue {
+    /// The items received (queued or written).
     sequencer: Sequencer,
+    /// Whether the stdin EOF was received.
     eof: bool,
-    stdin: Option<ChildStdin>,
+    /// Received, not yet written: (seq, bytes), `None` for the EOF.
+    items: VecDeque<(Seq, Option<Bytes>)>,
+    /// The payload bytes in `items`.
+    bytes: usize,
 }
 
 /// A connection whose hello was accepted.
@@ -548,7 +577,6 @@ impl Inner {
                     tracing::info!(pid = spawned.pid, "agent started");
                     state.agent = AgentState::Running { pid: spawned.pid };
                     state.agent_pid = Some(spawned.pid);
-                    state.pending_stdin = Some(spawned.stdin);
                     started = true;
                     spawned.pid
                 }
@@ -629,12 +657,10 @@ impl Inner {
         Some((next, state.input_accepted))
     }
 
-    /// Handles a broker input item (`payload` `None` is the stdin EOF).
-    ///
-    /// # Cancellation
-    /// Not cancel-safe once the item is being written: callers await it to the end.
-    pub(crate) async fn input(&self, id: u64, seq: Seq, payload: Option<Bytes>) -> Result<(), Refusal> {
-        let mut input = self.input.lock().await;
+    /// Takes a broker input item (`payload` `None` is the stdin EOF) for the agent's stdin:
+    /// queued for the stdin pump, never waiting for the agent to read.
+    pub(crate) fn input(&self, id: u64, seq: Seq, payload: Option<Bytes>) -> Result<(), Refusal> {
+        let mut input = self.input.lock();
         if !self.is_current(id) {
             return Ok(());
         }
@@ -649,35 +675,51 @@ impl Inner {
                 "input after the end of the agent's stdin".into(),
             ));
         }
-        if input.stdin.is_none() && !input.eof {
-            input.stdin = self.state.lock().pending_stdin.take();
-        }
-        match payload {
-            Some(bytes) => {
-                if let Some(stdin) = input.stdin.as_mut() {
-                    if let Err(error) = stdin.write_all(&bytes).await {
-                        // The agent closed its stdin or exited; what it did not read is gone
-                        // with it, exactly as with a pipe.
-                        tracing::debug!(%error, "the agent's stdin is closed");
-                        input.stdin = None;
-                    }
-                }
-            }
-            None => {
-                input.eof = true;
-                if let Some(mut stdin) = input.stdin.take() {
-                    let _ = stdin.shutdown().await;
-                }
-            }
+        let len = payload.as_ref().map_or(0, Bytes::len);
+        if input.bytes.saturating_add(len) > self.config.input_bytes {
+            return Err((
+                ErrorCode::InputOverflow,
+                format!(
+                    "more than {} bytes of input not yet written to the agent",
+                    self.config.input_bytes
+                ),
+            ));
         }
         let _ = input.sequencer.accept(seq);
-        {
-            let mut state = self.state.lock();
-            state.input_accepted = seq;
-            state.last_activity = unix_now();
-        }
-        self.bump();
+        input.eof = payload.is_none();
+        input.bytes += len;
+        input.items.push_back((seq, payload));
+        drop(input);
+        self.state.lock().last_activity = unix_now();
+        self.input_ready.notify_one();
         Ok(())
+    }
+
+    /// The next input item for the agent's stdin, waiting for one; `None` once the relay is done.
+    pub(crate) async fn next_input(&self) -> Option<(Seq, Option<Bytes>)> {
+        loop {
+            let ready = self.input_ready.notified();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            if let Some(item) = self.input.lock().items.pop_front() {
+                return Some(item);
+            }
+            tokio::select! {
+                () = ready => {}
+                () = self.done.cancelled() => return None,
+            }
+        }
+    }
+
+    /// Records that input item `seq` of `len` bytes was written to the agent (or dropped, the
+    /// agent's stdin being closed): it is acknowledged to the broker.
+    pub(crate) fn input_written(&self, seq: Seq, len: usize) {
+        {
+            let mut input = self.input.lock();
+            input.bytes = input.bytes.saturating_sub(len);
+        }
+        self.state.lock().input_accepted = seq;
+        self.bump();
     }
 
     /// Handles a broker acknowledgement of output.
@@ -711,9 +753,17 @@ impl Inner {
 
     /// Signals the agent's process group on the broker's (or the relay's own) behalf.
     pub(crate) fn signal(self: &Arc<Self>, signal: RelaySignal, grace_ms: u32) {
-        let (running, pid) = {
-            let state = self.state.lock();
-            (matches!(state.agent, AgentState::Running { .. }), state.agent_pid)
+        let (running, pid, terminating) = {
+            let mut state = self.state.lock();
+            let terminating = signal == RelaySignal::Terminate && state.terminating;
+            if signal == RelaySignal::Terminate {
+                state.terminating = true;
+            }
+            (
+                matches!(state.agent, AgentState::Running { .. }),
+                state.agent_pid,
+                terminating,
+            )
         };
         let Some(pid) = pid else {
             return;
@@ -723,6 +773,13 @@ impl Inner {
             if signal == RelaySignal::Kill {
                 agent::signal_group(pid, RelaySignal::Kill);
             }
+            return;
+        }
+        if terminating {
+            // A client sends its signal again after a reconnect (the first may not have
+            // arrived); a second SIGTERM would read as "force quit" to many programs, and the
+            // first one's SIGKILL is already scheduled.
+            tracing::debug!(pid, "the agent is already terminating");
             return;
         }
         tracing::info!(pid, signal = signal.number(), grace_ms, "signalling the agent");

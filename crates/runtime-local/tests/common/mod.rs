@@ -1,0 +1,44 @@
+//! Helpers shared by the local runtime's integration tests.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
+use session_runtime::config::SandboxMode;
+use session_runtime::testing::acp_test_agent_binary;
+use session_runtime::{AgentCommand, Error};
+
+/// The bundled ACP test agent.
+pub fn test_agent() -> AgentCommand {
+    AgentCommand::new(
+        acp_test_agent_binary()
+            .expect("acp-test-agent")
+            .display()
+            .to_string(),
+    )
+}
+
+/// A builder for a runtime of `installation` under `root`, running the test agent in `mode`.
+pub fn builder(root: &Path, installation: &str, mode: SandboxMode) -> LocalRuntimeBuilder {
+    LocalRuntime::builder(test_agent())
+        .root(root)
+        .installation(installation)
+        .sandbox(mode)
+}
+
+/// Builds `builder`, configured for sandbox `mode`; `None` when this machine cannot run that
+/// sandbox, and only after checking that the refusal is the documented configuration error (the
+/// skip is printed). Plain mode must always build.
+pub fn build_if_supported(builder: LocalRuntimeBuilder, mode: SandboxMode) -> Option<Arc<LocalRuntime>> {
+    match builder.build() {
+        Ok(runtime) => Some(Arc::new(runtime)),
+        Err(Error::InvalidConfig { key, reason }) if mode != SandboxMode::None => {
+            assert_eq!(key, "session_runtime.local.sandbox", "{reason}");
+            eprintln!("skipping sandbox {mode}: it does not work on this machine: {reason}");
+            None
+        }
+        Err(error) => panic!("building the {mode} runtime: {error}"),
+    }
+}
