@@ -6,8 +6,8 @@
 //! - the runtime call and its reason, as recorded by `RecordingRuntime`;
 //! - compute: the old worker's `SessionControl::is_alive`, and `status().worker`;
 //! - storage: a marker file written through the test agent's exec probe (in the worker, in its
-//!   working directory) survives suspend and hung eviction, and is gone after a reset with the
-//!   default retention policy (delete).
+//!   working directory) survives suspend, hung eviction and a failed start, and is gone after a
+//!   reset or an archived thread with the default retention policy (delete).
 //!
 //! Nothing here waits on the clock: idle and hung thresholds are zero or an hour, and long turns
 //! are always cancelled or killed. Waits on the agent are bounded so a broken runtime fails a
@@ -588,6 +588,48 @@ async fn explicit_reset_closes_and_deletes_storage(backend: Backend) {
     broker.shutdown().await;
 }
 
+/// An archived thread (or an administrator's close) ends its session with reason `ended`:
+/// compute stops, storage goes per the retention policy (default: deleted), the thread's ACP
+/// session id is forgotten, and a later message starts a new session.
+async fn thread_archived_closes_with_reason_ended(backend: Backend) {
+    let world = World::new(backend);
+    let broker = world.broker(|_| {});
+    let pool = &broker.pool;
+
+    pool.get_or_create(SLACK).await.expect("thread");
+    broker.write_marker(SLACK, "before archive").await;
+    let before = pool.info(SLACK).expect("live");
+    let control = pool.control(SLACK).expect("live");
+    let storage = broker.storage(SLACK).await;
+
+    pool.archive(SLACK).await.expect("archive");
+    assert_eq!(
+        broker.ops(SLACK),
+        [Op::Create, Op::Attach, Op::Close(CloseReason::Ended)]
+    );
+    assert_eq!(Op::of(PoolPath::ThreadArchived), Op::Close(CloseReason::Ended));
+    assert!(!control.is_alive(), "archiving stops the worker");
+    match broker.recorder.status(&before.session_id).await {
+        Ok(status) => {
+            assert_eq!(status.state, SessionState::Closed, "{status:?}");
+            assert_eq!(status.close_reason, Some(CloseReason::Ended), "{status:?}");
+            assert_eq!(status.storage, StorageState::Deleted, "{status:?}");
+        }
+        Err(Error::NotFound { .. }) => {}
+        Err(error) => panic!("status after archive: {error}"),
+    }
+    assert!(
+        !storage.exists(),
+        "the default retention deletes storage when a thread ends"
+    );
+    assert_eq!(pool.persisted(SLACK), None);
+
+    assert!(pool.get_or_create(SLACK).await.expect("a later message"), "fresh");
+    assert_eq!(broker.marker(SLACK).await, None, "a clean workspace");
+
+    broker.shutdown().await;
+}
+
 /// Shutdown suspends every session and persists key → ACP session id; a new broker (a new
 /// runtime instance over the same state) resumes with `session/load`, and starts a new ACP
 /// session, with a notice, where the agent no longer knows the persisted one.
@@ -740,6 +782,14 @@ async fn dead_connection_is_replaced(backend: Backend) {
         Err(error @ PoolError::ResumeFailed(_)) => assert!(error.is_transient(), "{error:?}"),
         other => panic!("expected a transient resume failure, got {other:?}"),
     }
+    // The failed start is released as the guide says: suspend(Hung), storage kept.
+    assert_eq!(
+        broker.ops(SLACK).last(),
+        Some(&Op::Suspend(SuspendReason::Hung)),
+        "{:?}",
+        broker.ops(SLACK)
+    );
+    assert_suspended(&broker.status(SLACK).await, SuspendReason::Hung);
     assert_eq!(pool.persisted(SLACK), Some(before.acp_session_id.clone()));
     assert!(!pool.get_or_create(SLACK).await.expect("retry"));
     let retried = pool.info(SLACK).expect("live");
@@ -779,6 +829,7 @@ on_every_runtime!(
     idle_eviction_suspends_and_resumes,
     hung_eviction_kills_and_starts_over,
     explicit_reset_closes_and_deletes_storage,
+    thread_archived_closes_with_reason_ended,
     shutdown_and_restart_resume_with_session_load,
     dead_connection_is_replaced,
 );

@@ -17,6 +17,7 @@
 //! | LRU eviction at `max_sessions` | [`PoolPath::CapacityEviction`] of the least recently active idle session |
 //! | `cleanup_idle(ttl)` | [`SessionPool::cleanup_idle`]: [`PoolPath::IdleEviction`] and [`PoolPath::HungEviction`] |
 //! | `reset_session` | [`SessionPool::reset`]: `session/cancel` first, then [`PoolPath::ExplicitReset`] |
+//! | (thread archived, admin close) | [`SessionPool::archive`]: `session/cancel` first, then [`PoolPath::ThreadArchived`] |
 //! | `shutdown` + `thread_map.json` | [`SessionPool::shutdown`]: [`PoolPath::BrokerShutdown`], key → ACP session id saved |
 //! | a new broker process loading `thread_map.json` | [`SessionPool::new`] over the same state directory |
 //! | a dead `AcpConnection` replaced in `get_or_create` | open again: `attach` starts a new generation, then `session/load` |
@@ -498,10 +499,18 @@ impl Opening {
         }
     }
 
-    /// Gives up on the new worker (upstream: the new process is dropped, which kills it). The
-    /// runtime record keeps it as the current generation; the next `attach` replaces it.
-    async fn discard(self) {
-        let _ = self.control.kill().await;
+    /// Gives up on the new worker: the guide's `release_failed_start` (docs/openab-core.md §5.2),
+    /// `suspend(Hung)`, which kills it without grace and keeps storage; a kill if that fails.
+    async fn discard(self, sessions: &ThreadSessions) {
+        let id = self.control.session_id();
+        if sessions
+            .runtime()
+            .suspend(&id, SuspendReason::Hung)
+            .await
+            .is_err()
+        {
+            let _ = self.control.kill().await;
+        }
         self.reader.abort();
     }
 }
@@ -710,7 +719,7 @@ impl SessionPool {
         let (acp_session_id, opened) = match self.start_acp_session(&opening, saved.as_deref()).await {
             Ok(started) => started,
             Err(error) => {
-                opening.discard().await;
+                opening.discard(&self.sessions).await;
                 return Err(error);
             }
         };
@@ -1029,6 +1038,21 @@ impl SessionPool {
     /// [`PoolError::NoSession`] if the key had neither a live nor a persisted session (the
     /// runtime is still asked to close it); runtime errors of the close.
     pub(crate) async fn reset(&self, key: &str) -> Result<(), PoolError> {
+        self.end_thread(key, PoolPath::ExplicitReset).await
+    }
+
+    /// The thread was archived (or an administrator closed it): as [`reset`](Self::reset), with
+    /// [`PoolPath::ThreadArchived`] (`close(Ended)`).
+    ///
+    /// # Errors
+    /// As for [`reset`](Self::reset).
+    pub(crate) async fn archive(&self, key: &str) -> Result<(), PoolError> {
+        self.end_thread(key, PoolPath::ThreadArchived).await
+    }
+
+    /// Ends `key`'s session by `path`: `session/cancel` for a turn in flight first, then the
+    /// path's close; its ACP session id is forgotten.
+    async fn end_thread(&self, key: &str, path: PoolPath) -> Result<(), PoolError> {
         let gate = self.gate(key);
         let _creating = gate.lock().await;
         let (connection, had_persisted) = {
@@ -1039,7 +1063,7 @@ impl SessionPool {
         if let Some(connection) = &connection {
             let _ = connection.control.cancel(&connection.acp_session_id).await;
         }
-        self.sessions.end(key, PoolPath::ExplicitReset).await?;
+        self.sessions.end(key, path).await?;
         if connection.is_none() && !had_persisted {
             return Err(PoolError::NoSession(key.to_owned()));
         }

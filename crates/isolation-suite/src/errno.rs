@@ -104,6 +104,13 @@ impl Errno {
     pub fn is_write_refusal(&self) -> bool {
         self.is_refusal() || matches!(self, Self::EROFS)
     }
+
+    /// Whether this error refuses a write to the shared read-only input as the RFC's step 7
+    /// requires: `EROFS` or `EACCES`, nothing else (the input exists, so `ENOENT` would mean the
+    /// probe wrote somewhere else).
+    pub fn is_shared_write_refusal(&self) -> bool {
+        matches!(self, Self::EROFS | Self::EACCES)
+    }
 }
 
 impl fmt::Display for Errno {

@@ -904,7 +904,7 @@ impl Suite<'_> {
                 quote(&new_file)
             );
             let outcome = worker.sh(&command, timeout).await;
-            let verdict = judge(&outcome, Errno::is_write_refusal, |_| {
+            let verdict = judge(&outcome, Errno::is_shared_write_refusal, |_| {
                 format!("created {new_file} in the shared input")
             });
             if verdict.is_leak() {
@@ -922,7 +922,7 @@ impl Suite<'_> {
             // a writable shared input is detected without damaging it.
             let command = format!(": >> {}", quote(file));
             let outcome = worker.sh(&command, timeout).await;
-            let verdict = judge(&outcome, Errno::is_write_refusal, |_| {
+            let verdict = judge(&outcome, Errno::is_shared_write_refusal, |_| {
                 "opened the shared input's file for writing".to_owned()
             });
             self.record(

@@ -94,6 +94,11 @@ fn which_errors_refuse() {
     assert!(Errno::EROFS.is_write_refusal());
     assert!(!Errno::Other("ENOTDIR".into()).is_refusal());
     assert!(!Errno::Other("ENOTDIR".into()).is_write_refusal());
+    // The shared read-only input (the RFC's step 7): EROFS or EACCES only.
+    assert!(Errno::EROFS.is_shared_write_refusal());
+    assert!(Errno::EACCES.is_shared_write_refusal());
+    assert!(!Errno::EPERM.is_shared_write_refusal());
+    assert!(!Errno::ENOENT.is_shared_write_refusal());
     assert_eq!(Errno::EROFS.to_string(), "EROFS");
     assert_eq!(Errno::Other("ELOOP".into()).to_string(), "ELOOP");
 }
