@@ -452,3 +452,104 @@ async fn input_beyond_the_relay_bound_is_refused_as_input_overflow() {
         other => panic!("expected a non-retryable backend error, got {other:?} ({error})"),
     }
 }
+
+/// Connects through `inner`; the first transport turns into a black hole once `frozen` is set
+/// (reads never complete, writes vanish, nothing closes), as a dead NAT entry or a stalled load
+/// balancer looks to the broker.
+#[derive(Debug)]
+struct Freezing {
+    inner: Arc<dyn Connector>,
+    connects: AtomicUsize,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait]
+impl Connector for Freezing {
+    async fn connect(&self) -> io::Result<Transport> {
+        let stream = self.inner.connect().await?;
+        let first = self.connects.fetch_add(1, Ordering::SeqCst) == 0;
+        Ok(Box::new(BlackHole {
+            inner: stream,
+            frozen: first.then(|| Arc::clone(&self.frozen)),
+        }))
+    }
+}
+
+struct BlackHole {
+    inner: Transport,
+    frozen: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl BlackHole {
+    fn is_frozen(&self) -> bool {
+        self.frozen.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+}
+
+impl AsyncRead for BlackHole {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.is_frozen() {
+            return Poll::Pending;
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for BlackHole {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.is_frozen() {
+            return Poll::Ready(Ok(buf.len()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.is_frozen() {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A transport that goes silent without closing is noticed by the client's idle timeout (the
+/// relay's heartbeats stop arriving), replaced, and the stream resumes: the line written into
+/// the black hole is resent and echoed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_that_goes_silent_is_replaced_and_the_stream_resumes() {
+    let relay = RelayProcess::start(
+        common::session("frozen"),
+        &["cat".into()],
+        RelayOptions {
+            extra: vec!["--heartbeat".into(), "100ms".into()],
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let connector = Arc::new(Freezing {
+        inner: relay.connector(),
+        connects: AtomicUsize::new(0),
+        frozen: Arc::clone(&frozen),
+    });
+    let config = relay.config(1).heartbeat(Duration::from_millis(100));
+    let (mut attachment, _) = relay
+        .attach_with(config, Arc::<Freezing>::clone(&connector) as Arc<dyn Connector>)
+        .await
+        .expect("attach");
+    round_trip(&mut attachment, "before the freeze").await;
+    frozen.store(true, Ordering::SeqCst);
+    round_trip(&mut attachment, "written into the black hole").await;
+    round_trip(&mut attachment, "after").await;
+    assert!(
+        connector.connects.load(Ordering::SeqCst) >= 2,
+        "the silent transport was replaced"
+    );
+}
