@@ -14,6 +14,54 @@ fn write_config(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
     path
 }
 
+/// A configuration for the plain local runtime under `dir`, and the runtime's root.
+fn plain_config(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let root = dir.join("sessions");
+    let config = write_config(
+        dir,
+        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
+    );
+    (config, root)
+}
+
+/// `oab-runtime run` for `thread` (with `agent` as its argv, if any), fed one ACP `initialize`
+/// line and then EOF on stdin. It must end by itself within a minute: a hang fails the test.
+fn run_with_one_line(config: &std::path::Path, thread: &str, agent: &[&str]) -> std::process::Output {
+    let mut command = oab_runtime();
+    command
+        .arg("--config")
+        .arg(config)
+        .args(["run", "--platform", "discord", "--thread", thread]);
+    if !agent.is_empty() {
+        command.arg("--").args(agent);
+    }
+    let mut run = command
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    {
+        use std::io::Write;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":1}}\n")
+            .expect("write");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while run.try_wait().expect("run status").is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = run.kill();
+            panic!(
+                "run did not end after its stdin closed: {:?}",
+                run.wait_with_output()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    run.wait_with_output().expect("run output")
+}
+
 #[test]
 fn verify_passes_for_the_default_runtime() {
     let output = oab_runtime().arg("verify").output().expect("run oab-runtime");
@@ -92,29 +140,9 @@ fn bad_arguments_and_configs_are_clear_errors() {
 #[test]
 fn ls_status_suspend_close_and_gc_manage_a_session() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let root = dir.path().join("sessions");
-    let config = write_config(
-        dir.path(),
-        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
-    );
+    let (config, root) = plain_config(dir.path());
     // A session made by `run`, fed one ACP line on stdin.
-    let mut run = oab_runtime()
-        .arg("--config")
-        .arg(&config)
-        .args(["run", "--platform", "discord", "--thread", "42"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run");
-    {
-        use std::io::Write;
-        let mut stdin = run.stdin.take().expect("stdin");
-        stdin
-            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":1}}\n")
-            .expect("write");
-    }
-    let output = run.wait_with_output().expect("run ends at EOF");
+    let output = run_with_one_line(&config, "42", &[]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{output:?}");
     assert!(
@@ -170,43 +198,10 @@ fn ls_status_suspend_close_and_gc_manage_a_session() {
 #[test]
 fn run_suspends_at_stdin_eof_even_when_the_agent_ignores_eof() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let root = dir.path().join("sessions");
-    let config = write_config(
-        dir.path(),
-        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
-    );
+    let (config, _root) = plain_config(dir.path());
     // Real agents keep running when their stdin closes; so does this one.
-    let mut run = oab_runtime()
-        .arg("--config")
-        .arg(&config)
-        .args(["run", "--platform", "slack", "--thread", "eof", "--"])
-        .arg(env!("CARGO_BIN_EXE_oab-runtime"))
-        .args(["__acp-test-agent", "--ignore-stdin-eof"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run");
-    {
-        use std::io::Write;
-        let mut stdin = run.stdin.take().expect("stdin");
-        stdin
-            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":1}}\n")
-            .expect("write");
-    }
-    // `run` must end by itself; a hang is a failure, not a stuck test.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while run.try_wait().expect("run status").is_none() {
-        if std::time::Instant::now() >= deadline {
-            let _ = run.kill();
-            panic!(
-                "run did not end after its stdin closed: {:?}",
-                run.wait_with_output()
-            );
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let output = run.wait_with_output().expect("run output");
+    let agent = env!("CARGO_BIN_EXE_oab-runtime");
+    let output = run_with_one_line(&config, "eof", &[agent, "__acp-test-agent", "--ignore-stdin-eof"]);
     let (stdout, stderr) = (
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
