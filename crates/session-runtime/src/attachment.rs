@@ -10,13 +10,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{Error, Generation, Result, SessionId, WorkerExit};
-
-/// Lines queued for the agent's stdin before [`AgentInput::write_line`] waits for room.
-const INPUT_QUEUE: usize = 64;
 
 /// The control side of a worker: liveness, termination and how it ended. Usable without the stream.
 #[async_trait]
@@ -264,8 +261,9 @@ impl fmt::Debug for Attachment {
 }
 
 impl Attachment {
-    /// Builds an attachment. Must be called within a Tokio runtime: the input is written by a
-    /// task of its own, so that whole lines are written even if a caller's future is dropped.
+    /// Builds an attachment. Must be called within a Tokio runtime: a write that cannot finish
+    /// at once continues in a task, so that whole lines are written even if a caller's future is
+    /// dropped, and a task lets go of the agent's stdin when the attachment is fenced.
     pub fn new(parts: AttachmentParts) -> Self {
         let AttachmentParts {
             id,
@@ -357,21 +355,28 @@ impl AsyncRead for AgentOutput {
     }
 }
 
-enum InputCommand {
-    Line(Vec<u8>, oneshot::Sender<Result<()>>),
-    Close(oneshot::Sender<Result<()>>),
+/// The agent's stdin, shared by every clone of an [`AgentInput`].
+struct InputSink {
+    /// `None` once closed, broken or fenced.
+    sink: Option<Box<dyn AsyncWrite + Send + Sync + Unpin>>,
+    /// The fence a transport reported when it broke (generation, current): a relay taken over
+    /// by a newer broker. Writes after that fail as fenced, not as disconnected.
+    fenced_by_transport: Option<(Generation, Generation)>,
+    /// Dropped with the last handle: ends the task that lets go of the sink at a fence.
+    _last_handle: oneshot::Sender<()>,
 }
 
 /// A shareable writer of whole lines to the agent's stdin.
 ///
-/// Lines written concurrently from several tasks never interleave. Writes are carried out by a
-/// task of the attachment, so a write never waits on the reader, and a line is either written
-/// whole or not at all even if the caller's future is dropped.
+/// Lines written concurrently from several tasks never interleave: each write holds the sink
+/// until its line is written and flushed. A line is either written whole or not at all even if
+/// the caller's future is dropped: a write that cannot finish at once continues in a task of its
+/// own. Writing never involves the reader, so it never waits on it.
 #[derive(Clone)]
 pub struct AgentInput {
     id: SessionId,
     fence: Fence,
-    commands: mpsc::Sender<InputCommand>,
+    sink: Arc<tokio::sync::Mutex<InputSink>>,
 }
 
 impl fmt::Debug for AgentInput {
@@ -385,12 +390,30 @@ impl fmt::Debug for AgentInput {
 
 impl AgentInput {
     fn spawn(sink: Box<dyn AsyncWrite + Send + Sync + Unpin>, fence: Fence) -> Self {
-        let (commands, receiver) = mpsc::channel(INPUT_QUEUE);
-        tokio::spawn(run_input(sink, receiver, fence.clone()));
+        let (last_handle, all_dropped) = oneshot::channel();
+        let shared = Arc::new(tokio::sync::Mutex::new(InputSink {
+            sink: Some(sink),
+            fenced_by_transport: None,
+            _last_handle: last_handle,
+        }));
+        // A fenced attachment lets go of the agent's stdin at once, whoever still holds a handle
+        // (a relay client's link ends with it).
+        let weak = Arc::downgrade(&shared);
+        let watched = fence.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = watched.fenced() => {
+                    if let Some(shared) = weak.upgrade() {
+                        shared.lock().await.sink = None;
+                    }
+                }
+                _ = all_dropped => {}
+            }
+        });
         Self {
             id: fence.id,
             fence,
-            commands,
+            sink: shared,
         }
     }
 
@@ -403,7 +426,7 @@ impl AgentInput {
     ///   [`close`](Self::close) was called).
     ///
     /// # Cancellation
-    /// Once queued, the line is written whole even if this future is dropped.
+    /// Once this write holds the sink, the line is written whole even if this future is dropped.
     pub async fn write_line(&self, line: impl AsRef<[u8]>) -> Result<()> {
         let line = line.as_ref();
         let body = line.strip_suffix(b"\n").unwrap_or(line);
@@ -415,8 +438,16 @@ impl AgentInput {
         let mut framed = Vec::with_capacity(body.len() + 1);
         framed.extend_from_slice(body);
         framed.push(b'\n');
-        let (done, result) = oneshot::channel();
-        self.submit(InputCommand::Line(framed, done), result).await
+        let guard = self.hold_sink().await?;
+        let mut write = Box::pin(write_held(guard, framed, self.fence.clone()));
+        // A sink with room takes the line in this first poll, without a task hand-off; otherwise
+        // the write moves to a task, which finishes it even if this future is dropped.
+        match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
+            Poll::Ready(written) => written,
+            Poll::Pending => tokio::spawn(write)
+                .await
+                .unwrap_or_else(|_| Err(Error::Disconnected { id: self.id })),
+        }
     }
 
     /// Closes the agent's stdin (half-close): the agent reads EOF; its output stays readable.
@@ -424,95 +455,58 @@ impl AgentInput {
     /// # Idempotency
     /// Closing a closed input returns `Ok(())`.
     pub async fn close(&self) -> Result<()> {
-        let (done, result) = oneshot::channel();
-        match self.submit(InputCommand::Close(done), result).await {
-            Err(Error::Disconnected { .. }) => Ok(()),
-            other => other,
+        let mut guard = self.hold_sink().await?;
+        if let Some(mut sink) = guard.sink.take() {
+            let _ = sink.shutdown().await;
         }
+        Ok(())
     }
 
-    async fn submit(&self, command: InputCommand, result: oneshot::Receiver<Result<()>>) -> Result<()> {
+    /// Waits for the sink, unless the attachment is fenced first.
+    async fn hold_sink(&self) -> Result<tokio::sync::OwnedMutexGuard<InputSink>> {
         self.fence.check()?;
-        let sent = tokio::select! {
-            sent = self.commands.send(command) => sent.is_ok(),
-            () = self.fence.fenced() => return Err(self.fence.error()),
-        };
-        if !sent {
-            return Err(self.ended());
-        }
-        result.await.unwrap_or_else(|_| Err(self.ended()))
-    }
-
-    fn ended(&self) -> Error {
-        match self.fence.check() {
-            Err(fenced) => fenced,
-            Ok(()) => Error::Disconnected { id: self.id },
+        tokio::select! {
+            guard = Arc::clone(&self.sink).lock_owned() => Ok(guard),
+            () = self.fence.fenced() => Err(self.fence.error()),
         }
     }
 }
 
-async fn run_input(
-    mut sink: Box<dyn AsyncWrite + Send + Sync + Unpin>,
-    mut commands: mpsc::Receiver<InputCommand>,
+/// Writes and flushes `line` into the held sink; a failure lets go of the sink for good.
+async fn write_held(
+    mut held: tokio::sync::OwnedMutexGuard<InputSink>,
+    line: Vec<u8>,
     fence: Fence,
-) {
-    // How the sink ended, for the commands answered after it: a transport that reports a fence
-    // (a relay taken over by a newer broker) ends the input fenced, anything else disconnected.
-    let mut fenced_by_transport: Option<(Generation, Generation)> = None;
-    let ended = |fenced_by_transport: Option<(Generation, Generation)>| match fenced_by_transport {
-        Some((generation, current)) => Err(Error::Fenced {
+) -> Result<()> {
+    let state = &mut *held;
+    let written = match state.sink.as_mut() {
+        None => Err(None),
+        Some(sink) => tokio::select! {
+            biased;
+            () = fence.fenced() => Err(None),
+            written = async {
+                sink.write_all(&line).await?;
+                sink.flush().await
+            } => written.map_err(Some),
+        },
+    };
+    let Err(failure) = written else {
+        return Ok(());
+    };
+    state.sink = None;
+    if let Some(Error::Fenced {
+        generation, current, ..
+    }) = failure.as_ref().and_then(Error::from_io)
+    {
+        state.fenced_by_transport = Some((*generation, *current));
+    }
+    Err(match (fence.check(), state.fenced_by_transport) {
+        (Err(fenced), _) => fenced,
+        (Ok(()), Some((generation, current))) => Error::Fenced {
             id: fence.id,
             generation,
             current,
-        }),
-        None => Err(Error::Disconnected { id: fence.id }),
-    };
-    loop {
-        let command = tokio::select! {
-            biased;
-            () = fence.fenced() => return,
-            command = commands.recv() => match command {
-                Some(command) => command,
-                None => return,
-            },
-        };
-        match command {
-            InputCommand::Line(line, done) => {
-                let written = tokio::select! {
-                    biased;
-                    () = fence.fenced() => Err(fence.error()),
-                    written = async {
-                        sink.write_all(&line).await?;
-                        sink.flush().await
-                    } => written.or_else(|error| {
-                        if let Some(Error::Fenced { generation, current, .. }) = Error::from_io(&error) {
-                            fenced_by_transport = Some((*generation, *current));
-                        }
-                        ended(fenced_by_transport)
-                    }),
-                };
-                let failed = written.is_err();
-                let _ = done.send(written);
-                if failed {
-                    break;
-                }
-            }
-            InputCommand::Close(done) => {
-                let _ = sink.shutdown().await;
-                let _ = done.send(Ok(()));
-                break;
-            }
-        }
-    }
-    // The sink is closed or broken: answer every later command without waiting.
-    drop(sink);
-    while let Some(command) = commands.recv().await {
-        let done = match command {
-            InputCommand::Line(_, done) | InputCommand::Close(done) => done,
-        };
-        let _ = done.send(match fence.check() {
-            Err(fenced) => Err(fenced),
-            Ok(()) => ended(fenced_by_transport),
-        });
-    }
+        },
+        (Ok(()), None) => Error::Disconnected { id: fence.id },
+    })
 }
