@@ -62,6 +62,17 @@ fn run_with_one_line(config: &std::path::Path, thread: &str, agent: &[&str]) -> 
     run.wait_with_output().expect("run output")
 }
 
+/// `oab-runtime ls` with `config`: its standard output.
+fn ls(config: &std::path::Path) -> String {
+    let ls = oab_runtime()
+        .arg("--config")
+        .arg(config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    String::from_utf8_lossy(&ls.stdout).into_owned()
+}
+
 #[test]
 fn verify_passes_for_the_default_runtime() {
     let output = oab_runtime().arg("verify").output().expect("run oab-runtime");
@@ -150,13 +161,7 @@ fn ls_status_suspend_close_and_gc_manage_a_session() {
         "the agent answered: {stdout}"
     );
 
-    let ls = oab_runtime()
-        .arg("--config")
-        .arg(&config)
-        .arg("ls")
-        .output()
-        .expect("ls");
-    let listing = String::from_utf8_lossy(&ls.stdout);
+    let listing = ls(&config);
     let line = listing
         .lines()
         .find(|l| l.contains("suspended"))
@@ -209,13 +214,7 @@ fn run_suspends_at_stdin_eof_even_when_the_agent_ignores_eof() {
     assert!(output.status.success(), "{stderr}");
     assert!(stdout.contains("\"id\":1"), "the agent answered first: {stdout}");
     assert!(stderr.contains("suspended"), "{stderr}");
-    let ls = oab_runtime()
-        .arg("--config")
-        .arg(&config)
-        .arg("ls")
-        .output()
-        .expect("ls");
-    let listing = String::from_utf8_lossy(&ls.stdout);
+    let listing = ls(&config);
     assert!(
         listing.lines().any(|l| l.contains("suspended")),
         "the session is suspended, its worker stopped: {listing}"

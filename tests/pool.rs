@@ -215,6 +215,21 @@ fn assert_running(status: &SessionStatus, connection: &ConnectionInfo) {
     assert_eq!(worker.worker_id, connection.worker_id, "{status:?}");
 }
 
+/// The status after a close for `reason` under the default retention policy: closed, storage
+/// deleted, no worker; or not found (a runtime may forget a session whose storage it deleted).
+fn assert_closed_and_deleted(status: openab_runtime::Result<SessionStatus>, reason: CloseReason) {
+    match status {
+        Ok(status) => {
+            assert_eq!(status.state, SessionState::Closed, "{status:?}");
+            assert_eq!(status.close_reason, Some(reason), "{status:?}");
+            assert_eq!(status.storage, StorageState::Deleted, "{status:?}");
+            assert!(status.worker.is_none(), "{status:?}");
+        }
+        Err(Error::NotFound { .. }) => {}
+        Err(error) => panic!("status after close({reason}): {error}"),
+    }
+}
+
 /// A turn ended because its worker went away, as a typed error.
 fn assert_worker_gone(result: &Result<Turn, PoolError>) {
     match result {
@@ -552,17 +567,10 @@ async fn explicit_reset_closes_and_deletes_storage(backend: Backend) {
     );
     assert_eq!(Op::of(PoolPath::ExplicitReset), Op::Close(CloseReason::Reset));
     assert!(!control.is_alive(), "reset stops the worker");
-    match broker.recorder.status(&before.session_id).await {
-        Ok(status) => {
-            assert_eq!(status.state, SessionState::Closed, "{status:?}");
-            assert_eq!(status.close_reason, Some(CloseReason::Reset), "{status:?}");
-            assert_eq!(status.storage, StorageState::Deleted, "{status:?}");
-            assert!(status.worker.is_none(), "{status:?}");
-        }
-        // A runtime may forget a closed session whose storage it deleted.
-        Err(Error::NotFound { .. }) => {}
-        Err(error) => panic!("status after reset: {error}"),
-    }
+    assert_closed_and_deleted(
+        broker.recorder.status(&before.session_id).await,
+        CloseReason::Reset,
+    );
     assert!(
         !storage.exists(),
         "the default retention deletes storage on reset"
@@ -609,15 +617,10 @@ async fn thread_archived_closes_with_reason_ended(backend: Backend) {
     );
     assert_eq!(Op::of(PoolPath::ThreadArchived), Op::Close(CloseReason::Ended));
     assert!(!control.is_alive(), "archiving stops the worker");
-    match broker.recorder.status(&before.session_id).await {
-        Ok(status) => {
-            assert_eq!(status.state, SessionState::Closed, "{status:?}");
-            assert_eq!(status.close_reason, Some(CloseReason::Ended), "{status:?}");
-            assert_eq!(status.storage, StorageState::Deleted, "{status:?}");
-        }
-        Err(Error::NotFound { .. }) => {}
-        Err(error) => panic!("status after archive: {error}"),
-    }
+    assert_closed_and_deleted(
+        broker.recorder.status(&before.session_id).await,
+        CloseReason::Ended,
+    );
     assert!(
         !storage.exists(),
         "the default retention deletes storage when a thread ends"
