@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The cluster suite on kind, for machines that have Docker (a workstation, GitHub Actions): the
+# same #[ignore = "needs a cluster: ..."] tests that ./scripts/test runs against scripts/cluster,
+# with the broker's narrow kubeconfig. It cannot run on the project's own machines (no container
+# engine there); .github/workflows/kind-e2e.yml runs it.
+#
+# usage: scripts/kind-e2e.sh            (needs docker, kind, kubectl, cargo on PATH)
+#   KIND_CLUSTER   cluster name (default openab-e2e); KEEP_CLUSTER=1 leaves it running
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=../e2e/cluster/versions.env
+. "$repo/e2e/cluster/versions.env"
+cluster=${KIND_CLUSTER:-openab-e2e}
+# kind's node image for the pinned Kubernetes version (kind publishes one per patch release).
+node_image=${KIND_NODE_IMAGE:-kindest/node:$KUBERNETES_VERSION}
+work=$(mktemp -d)
+admin="$work/admin.kubeconfig"
+broker="$work/broker.kubeconfig"
+
+for tool in docker kind kubectl cargo; do
+  command -v "$tool" >/dev/null || { echo "kind-e2e: $tool is not on PATH" >&2; exit 1; }
+done
+
+finish() {
+  local status=$?
+  if [ $status -ne 0 ]; then
+    echo "kind-e2e: failed; exporting logs to $repo/target/kind-logs" >&2
+    kind export logs --name "$cluster" "$repo/target/kind-logs" >/dev/null 2>&1 || true
+  fi
+  [ "${KEEP_CLUSTER:-}" = 1 ] || kind delete cluster --name "$cluster" >/dev/null 2>&1 || true
+  rm -rf "$work"
+  exit $status
+}
+trap finish EXIT
+
+kind create cluster --name "$cluster" --image "$node_image" --kubeconfig "$admin" --wait 180s
+export KUBECONFIG=$admin
+
+# The deploy files, in dependency order, exactly as an operator applies them.
+for file in namespace.yaml worker.yaml broker-rbac.yaml broker-rbac-exec.yaml; do
+  kubectl apply --server-side --field-manager openab-e2e -f "$repo/deploy/kubernetes/$file"
+done
+kubectl -n openab-sessions wait --for=jsonpath='{.metadata.name}'=default serviceaccount/default --timeout=60s
+
+# The broker's kubeconfig: its ServiceAccount's token, the admin file's server and CA.
+token=$(kubectl -n openab create token openab-broker --duration 2h)
+kubectl config view --raw --minify --flatten > "$broker"
+user=$(kubectl config view --raw --minify -o jsonpath='{.contexts[0].context.user}')
+kubectl --kubeconfig "$broker" config unset "users.$user" >/dev/null
+kubectl --kubeconfig "$broker" config set-credentials "$user" --token "$token" >/dev/null
+
+export OPENAB_BROKER_KUBECONFIG=$broker
+export OPENAB_SESSIONS_NAMESPACE=openab-sessions
+export OPENAB_KUBERNETES_VERSION=$KUBERNETES_VERSION
+export OPENAB_KWOK_NODES=0
+# Not on kind: its nodes are real (no kwok), and its storage is local-path, not the test
+# provisioner of scripts/cluster.
+cargo test --locked -p runtime-kubernetes --all-features -- --ignored \
+  --skip a_pod_scheduled_onto_a_kwok_node_becomes_ready \
+  --skip a_claim_of_the_test_storage_class_binds_and_its_volume_goes_with_it
