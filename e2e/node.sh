@@ -1,0 +1,275 @@
+# The test cluster's one real node: containerd and runc from Debian, the kubelet built with the
+# control plane, a CNI bridge whose Pods reach nothing off the machine. Sourced by scripts/cluster,
+# whose helpers (start, stop, wait_for, fail, kubeconfig, kubectl, say, die) and variables it uses.
+# shellcheck shell=bash
+
+node_name=$(hostname)
+node_dir="$state/node"
+containerd_socket="$node_dir/containerd/containerd.sock"
+kubelet_root="$node_dir/kubelet"
+cni_network=openab-test
+bridge=oab-br0
+pod_subnet=10.244.0.0/24
+rule_comment=openab-test-cluster
+# The sysctls the kubelet rewrites at start; `up` records them and `down` puts them back.
+kubelet_sysctls="vm.overcommit_memory kernel.panic kernel.panic_on_oops net.ipv4.ip_forward"
+
+ctr_() { ctr --address "$containerd_socket" -n k8s.io "$@"; }
+
+node_packages() {
+  local missing=() tool
+  for tool in containerd:containerd runc:runc ctr:containerd iptables:iptables; do
+    command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
+  done
+  [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+  [ -x /bin/busybox ] || missing+=(busybox-static)
+  command -v cc >/dev/null || missing+=(gcc libc6-dev)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  say "installing ${missing[*]} (the real node)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null ||
+    die "could not install ${missing[*]}"
+}
+
+# Nothing a Pod sends is forwarded off the bridge, and Pods cannot open connections to this host:
+# only the host's own connections into Pods (and their replies) pass.
+node_network_up() {
+  local rule
+  for rule in "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
+      "INPUT -i $bridge -j DROP" "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"; do
+    # shellcheck disable=SC2086
+    iptables -C $rule -m comment --comment "$rule_comment" 2>/dev/null ||
+      iptables -I $rule -m comment --comment "$rule_comment" || die "could not add iptables rule: $rule"
+  done
+}
+
+node_rules() { iptables -S 2>/dev/null | grep -F -- "--comment $rule_comment" || true; }
+
+node_network_check() {
+  local rules
+  rules=$(node_rules)
+  for wanted in "-A FORWARD -i $bridge ! -o $bridge" "-A FORWARD ! -i $bridge -o $bridge" "-A INPUT -i $bridge -m comment"; do
+    grep -qF -- "$wanted" <<<"$rules" || die "the Pod network's drop rule is missing ($wanted): no Pod may start"
+  done
+}
+
+write_node_config() {
+  mkdir -p "$node_dir/containerd" "$node_dir/cni/net.d" "$node_dir/cni/ipam" "$kubelet_root"
+  cat > "$node_dir/containerd/config.toml" <<TOML
+version = 2
+root = "$node_dir/containerd/root"
+state = "$node_dir/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "$containerd_socket"
+[ttrpc]
+  address = "$node_dir/containerd/containerd.sock.ttrpc"
+[debug]
+  level = "warn"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$node_dir/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "openab.dev/pause:test"
+  tolerate_missing_hugetlb_controller = true
+  disable_apparmor = true
+  # This machine withholds CAP_SYS_RESOURCE even from root, so runc cannot lower a sandbox's
+  # oom_score_adj below containerd's own (the kubelet asks for -998): keep it at or above ours.
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$node_dir/cni/net.d"
+    max_conf_num = 1
+TOML
+  cat > "$node_dir/cni/net.d/10-$cni_network.conflist" <<JSON
+{
+  "cniVersion": "0.4.0",
+  "name": "$cni_network",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$bridge",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": false,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{ "subnet": "$pod_subnet" }]],
+        "dataDir": "$node_dir/cni/ipam"
+      }
+    }
+  ]
+}
+JSON
+  # Eviction at 0% and no image GC: a test machine's disk and memory never evict a test Pod.
+  cat > "$node_dir/kubelet.yaml" <<YAML
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: $kubelet_port
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $kubelet_healthz_port
+tlsCertFile: $pki/kubelet.crt
+tlsPrivateKeyFile: $pki/kubelet.key
+authentication:
+  anonymous: { enabled: false }
+  webhook: { enabled: true }
+  x509: { clientCAFile: $pki/ca.crt }
+authorization:
+  mode: Webhook
+containerRuntimeEndpoint: unix://$containerd_socket
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+resolvConf: ""
+clusterDomain: ""
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+imageMinimumGCAge: 87600h
+evictionHard:
+  memory.available: "0%"
+  nodefs.available: "0%"
+  nodefs.inodesFree: "0%"
+  imagefs.available: "0%"
+serializeImagePulls: false
+registerNode: true
+maxPods: 32
+podPidsLimit: 1024
+YAML
+}
+
+# Imports an image archive unless containerd already has that exact image.
+import_image() {
+  local archive=$1 tag=$2
+  if [ "$(cat "$node_dir/images/${tag//[:\/]/_}" 2>/dev/null)" != "$archive" ]; then
+    ctr_ images import --no-unpack=false "$archive" >/dev/null || die "could not import $archive"
+    mkdir -p "$node_dir/images"
+    printf '%s' "$archive" > "$node_dir/images/${tag//[:\/]/_}"
+    say "imported $tag"
+  fi
+}
+
+node_up() {
+  node_packages
+  local started=$SECONDS name
+  if [ ! -s "$node_dir/sysctls" ]; then
+    mkdir -p "$node_dir"
+    for name in $kubelet_sysctls; do printf '%s=%s\n' "$name" "$(sysctl -n "$name")"; done > "$node_dir/sysctls"
+  fi
+  node_network_up
+  node_network_check
+  write_node_config
+  kubeconfig "$node_dir/kubelet.kubeconfig" "system:node:$node_name" kubelet
+  start containerd containerd --config "$node_dir/containerd/config.toml"
+  wait_for containerd 60 ctr_ version
+  local pause worker
+  pause=$("$repo/e2e/images/build" pause) || die "building the pause image failed"
+  import_image "$pause" openab.dev/pause:test
+  worker=$("$repo/e2e/images/build" worker) || die "building the worker image failed"
+  import_image "$worker" openab.dev/worker:test
+  start kubelet "$bin/kubelet" --config "$node_dir/kubelet.yaml" \
+    --kubeconfig "$node_dir/kubelet.kubeconfig" --root-dir "$kubelet_root" \
+    --hostname-override "$node_name" --node-labels type=real
+  wait_for kubelet 90 curl -fsS "http://127.0.0.1:$kubelet_healthz_port/healthz"
+  local deadline=$((SECONDS + 120))
+  until kubectl wait --for=condition=Ready "node/$node_name" --timeout=5s >/dev/null 2>&1; do
+    pid_of kubelet >/dev/null || fail kubelet "kubelet exited before node $node_name was Ready"
+    [ $SECONDS -lt $deadline ] || fail kubelet "node $node_name was not Ready within 120 s"
+  done
+  say "node $node_name Ready in $((SECONDS - started)) s"
+}
+
+# Pods first (the kubelet tears down their sandboxes and networks), then the kubelet, then
+# whatever outlived it: containers, shims, mounts, cgroups, network namespaces.
+node_down() {
+  if pid_of kubelet >/dev/null && pid_of kube-apiserver >/dev/null; then
+    kubectl delete pods -A --field-selector "spec.nodeName=$node_name" --grace-period 0 --force \
+      --wait=false >/dev/null 2>&1 || true
+    local deadline=$((SECONDS + 60))
+    while [ -n "$(ctr_ containers list -q 2>/dev/null)" ] && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  fi
+  stop kubelet
+  if pid_of containerd >/dev/null; then
+    local task
+    for task in $(ctr_ tasks list -q 2>/dev/null); do ctr_ tasks kill -s SIGKILL "$task" >/dev/null 2>&1 || true; done
+  fi
+  stop containerd
+  # Shims outlive containerd by design; their command lines name our socket.
+  local pid
+  for pid in $(pgrep -f "containerd-shim.*$containerd_socket" || true); do kill -KILL "$pid" 2>/dev/null || true; done
+  node_cgroups_down
+  local mount
+  for mount in $(findmnt -rn -o TARGET | grep -F -- "$node_dir" | sort -r); do
+    umount "$mount" 2>/dev/null || umount -l "$mount" 2>/dev/null || true
+  done
+  local netns
+  for netns in /var/run/netns/cni-*; do
+    [ -e "$netns" ] || continue
+    # A CNI namespace that holds an interface of our bridge's subnet is ours.
+    ip netns exec "${netns##*/}" ip -4 addr 2>/dev/null | grep -q "inet ${pod_subnet%.*}\." &&
+      ip netns delete "${netns##*/}" 2>/dev/null || true
+  done
+  rm -f /var/lib/cni/results/"$cni_network"-* 2>/dev/null || true
+  if [ -s "$node_dir/sysctls" ]; then
+    sysctl -q -p "$node_dir/sysctls" >/dev/null 2>&1 || say "could not restore $(tr '\n' ' ' < "$node_dir/sysctls")"
+  fi
+}
+
+# The kubelet's cgroups (cgroupfs driver: kubepods under every controller): kill what is left in
+# them, then remove them deepest first.
+node_cgroups_down() {
+  local dir cgroup
+  for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+    [ -d "$dir" ] || continue
+    find "$dir" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+  done
+  sleep 0.2
+  for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+    [ -d "$dir" ] || continue
+    find "$dir" -depth -type d | while read -r cgroup; do rmdir "$cgroup" 2>/dev/null || true; done
+  done
+}
+
+# The bridge and the rules outlive the state directory's removal, so `down` ends with them.
+node_network_down() {
+  ip link show "$bridge" >/dev/null 2>&1 && ip link delete "$bridge" 2>/dev/null
+  local rule table chain
+  while read -r rule; do
+    [ -n "$rule" ] || continue
+    # shellcheck disable=SC2086
+    iptables ${rule/-A /-D } 2>/dev/null || true
+  done <<<"$(node_rules)"
+  # The kubelet's canary chains (it recreates them while it runs, to notice a flush).
+  for table in mangle nat filter; do
+    for chain in KUBE-KUBELET-CANARY KUBE-FIREWALL; do
+      iptables -t "$table" -F "$chain" 2>/dev/null && iptables -t "$table" -X "$chain" 2>/dev/null
+      ip6tables -t "$table" -F "$chain" 2>/dev/null && ip6tables -t "$table" -X "$chain" 2>/dev/null
+    done
+  done
+  return 0
+}
+
+node_leftovers() {
+  local found=""
+  pgrep -f "containerd-shim.*$containerd_socket" >/dev/null && found+=" containerd shims;"
+  ip link show "$bridge" >/dev/null 2>&1 && found+=" bridge $bridge;"
+  [ -n "$(node_rules)" ] && found+=" iptables rules ($rule_comment);"
+  iptables -t nat -S 2>/dev/null | grep -q KUBE- && found+=" kubelet iptables chains;"
+  findmnt -rn -o TARGET | grep -qF -- "$node_dir" && found+=" mounts under $node_dir;"
+  local dir
+  for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+    [ -d "$dir" ] && found+=" cgroup $dir;"
+  done
+  printf '%s' "$found"
+}
