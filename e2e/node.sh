@@ -243,18 +243,27 @@ node_cgroups_down() {
 
 # The bridge and the rules outlive the state directory's removal, so `down` ends with them.
 node_network_down() {
-  ip link show "$bridge" >/dev/null 2>&1 && ip link delete "$bridge" 2>/dev/null
+  if ip link show "$bridge" >/dev/null 2>&1; then ip link delete "$bridge" 2>/dev/null || true; fi
   local rule table chain
   while read -r rule; do
     [ -n "$rule" ] || continue
     # shellcheck disable=SC2086
     iptables ${rule/-A /-D } 2>/dev/null || true
   done <<<"$(node_rules)"
-  # The kubelet's canary chains (it recreates them while it runs, to notice a flush).
-  for table in mangle nat filter; do
-    for chain in KUBE-KUBELET-CANARY KUBE-FIREWALL; do
-      iptables -t "$table" -F "$chain" 2>/dev/null && iptables -t "$table" -X "$chain" 2>/dev/null
-      ip6tables -t "$table" -F "$chain" 2>/dev/null && ip6tables -t "$table" -X "$chain" 2>/dev/null
+  # The kubelet's own chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT) and the
+  # jumps into them: nothing else on these machines runs Kubernetes, so every KUBE- chain is its.
+  local tool
+  for tool in iptables ip6tables; do
+    command -v "$tool" >/dev/null || continue
+    for table in filter nat mangle; do
+      "$tool" -t "$table" -S 2>/dev/null | grep -E '^-A [A-Z]+ .*-j KUBE-' | while read -r rule; do
+        # shellcheck disable=SC2086
+        "$tool" -t "$table" ${rule/-A /-D } 2>/dev/null || true
+      done || true
+      for chain in $("$tool" -t "$table" -S 2>/dev/null | sed -n 's/^-N \(KUBE-[A-Z0-9-]*\)$/\1/p'); do
+        "$tool" -t "$table" -F "$chain" 2>/dev/null || true
+        "$tool" -t "$table" -X "$chain" 2>/dev/null || true
+      done
     done
   done
   return 0
@@ -265,7 +274,11 @@ node_leftovers() {
   pgrep -f "containerd-shim.*$containerd_socket" >/dev/null && found+=" containerd shims;"
   ip link show "$bridge" >/dev/null 2>&1 && found+=" bridge $bridge;"
   [ -n "$(node_rules)" ] && found+=" iptables rules ($rule_comment);"
-  iptables -t nat -S 2>/dev/null | grep -q KUBE- && found+=" kubelet iptables chains;"
+  local table
+  for table in filter nat mangle; do
+    iptables -t "$table" -S 2>/dev/null | grep -q KUBE- && found+=" kubelet chains in iptables $table;"
+    ip6tables -t "$table" -S 2>/dev/null | grep -q KUBE- && found+=" kubelet chains in ip6tables $table;"
+  done
   findmnt -rn -o TARGET | grep -qF -- "$node_dir" && found+=" mounts under $node_dir;"
   local dir
   for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do

@@ -268,6 +268,47 @@ pub fn restricted_pod(name: &str, image: &str, command: &[&str]) -> Pod {
     }
 }
 
+/// What a command run through `pods/exec` printed, and whether it exited 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// Exit status 0.
+    pub success: bool,
+    /// Its standard output, lossily decoded.
+    pub stdout: String,
+    /// Its standard error, lossily decoded.
+    pub stderr: String,
+}
+
+/// Runs `argv` in the first container of Pod `name` through `pods/exec` and collects its output.
+///
+/// # Panics
+/// When the exec cannot be opened (RBAC, a Pod that is not running): the message names both.
+pub async fn exec(pods: &Api<Pod>, name: &str, argv: &[&str]) -> ExecOutput {
+    use tokio::io::AsyncReadExt;
+    let params = kube::api::AttachParams::default()
+        .stdin(false)
+        .stdout(true)
+        .stderr(true);
+    let mut process = pods
+        .exec(name, argv.iter().copied(), &params)
+        .await
+        .unwrap_or_else(|error| panic!("exec {argv:?} in Pod {name}: {error}"));
+    let mut stdout = process.stdout().expect("stdout was requested");
+    let mut stderr = process.stderr().expect("stderr was requested");
+    let status = process.take_status().expect("the status is taken once");
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let (read_out, read_err) = tokio::join!(stdout.read_to_end(&mut out), stderr.read_to_end(&mut err));
+    read_out.unwrap_or_else(|error| panic!("reading the stdout of {argv:?}: {error}"));
+    read_err.unwrap_or_else(|error| panic!("reading the stderr of {argv:?}: {error}"));
+    let status = status.await;
+    let _ = process.join().await;
+    ExecOutput {
+        success: status.is_some_and(|status| status.status.as_deref() == Some("Success")),
+        stdout: String::from_utf8_lossy(&out).into_owned(),
+        stderr: String::from_utf8_lossy(&err).into_owned(),
+    }
+}
+
 /// The HTTP status of a refused API call, or `None` for any other outcome.
 pub fn api_status<T>(result: &Result<T, kube::Error>) -> Option<u16> {
     match result {
