@@ -38,10 +38,8 @@ export KUBECONFIG=$admin
 # The same worker image the local cluster imports, written from local files.
 kind load image-archive "$("$repo/e2e/images/build" worker)" --name "$cluster"
 
-# The deploy files, in dependency order, exactly as an operator applies them.
-for file in namespace.yaml worker.yaml broker-rbac.yaml broker-rbac-exec.yaml; do
-  kubectl apply --server-side --field-manager openab-e2e -f "$repo/deploy/kubernetes/$file"
-done
+# The deploy files, exactly as an operator applies them.
+kubectl apply --server-side --field-manager openab-e2e -k "$repo/deploy/kubernetes"
 kubectl -n openab-sessions wait --for=jsonpath='{.metadata.name}'=default serviceaccount/default --timeout=60s
 
 # The broker's kubeconfig: its ServiceAccount's token, the admin file's server and CA.

@@ -1,13 +1,39 @@
-//! The Kubernetes session runtime (work in progress).
+//! The Kubernetes session runtime: one worker Pod and one volume per session.
 //!
-//! Each session gets an anchor Lease `oab-s-<session id>` (its durable record), one worker Pod
-//! `oab-w-<session id>` running the worker relay as its entrypoint, and one PersistentVolumeClaim
-//! `oab-d-<session id>` for its workspace, HOME and agent state. The broker reaches the relay over
-//! the Pod IP or through `pods/exec`; everything security-sensitive comes from a cluster-owned
-//! profile that chat messages cannot select or alter.
+//! Each session has an anchor Lease `oab-s-<session id>` (its authoritative record: generation,
+//! state, close reason and retention intent, the UIDs of what it made), one worker Pod
+//! `oab-w-<session id>` owned by the anchor and running the worker relay as its entrypoint, and a
+//! PersistentVolumeClaim `oab-d-<session id>-<incarnation>` for its workspace and HOME that no
+//! cascade deletes. The broker reaches the relay over the Pod IP or through `pods/exec`;
+//! everything security-sensitive comes from a cluster-owned profile (a ConfigMap, see
+//! [`profile`]) that chat messages cannot select or alter.
 //!
-//! This crate currently only names the backend; the runtime itself is being built (see the
-//! project's issue list). [`RUNTIME`] is the name it will report.
+//! ```no_run
+//! # async fn demo() -> session_runtime::Result<()> {
+//! use session_runtime::config::KubernetesConfig;
+//! let client = kube::Client::try_default().await.map_err(|e| session_runtime::Error::backend("kubernetes", true, "no client", e))?;
+//! let runtime = runtime_kubernetes::KubernetesRuntime::builder(
+//!     client,
+//!     KubernetesConfig::new("openab-sessions", "isolated-worker"),
+//! )
+//! .installation("prod-bot")
+//! .build()?;
+//! # let _ = runtime; Ok(()) }
+//! ```
+
+mod api;
+mod names;
+mod pod;
+pub mod profile;
+mod reach;
+mod reconcile;
+mod record;
+mod runtime;
+mod start;
+#[cfg(feature = "testing")]
+mod testing;
+
+pub use runtime::{KubernetesRuntime, KubernetesRuntimeBuilder};
 
 /// The name this runtime reports in errors and logs.
 pub const RUNTIME: &str = "kubernetes";

@@ -26,7 +26,15 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the protocol and run the agent (started on the first valid hello).
-    Serve(Serve),
+    Serve(Box<Serve>),
+    /// Create directories (with parents; mode 0700 for each named one) and exit: run as an init
+    /// container, so that the session's workspace and HOME exist, owned by the worker user, before
+    /// the kubelet mounts them as subPaths (it would make a missing subPath as root).
+    Prepare {
+        /// The directories.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+    },
     /// Bridge stdin/stdout to the local relay (for `kubectl exec -i <pod> -- oab-relay connect`).
     Connect {
         /// The relay's address.
@@ -103,8 +111,9 @@ fn main() -> ExitCode {
     };
     let code = runtime.block_on(async move {
         match cli.command {
-            Command::Serve(serve) => run_serve(serve).await,
+            Command::Serve(serve) => run_serve(*serve).await,
             Command::Connect { addr } => run_connect(addr).await,
+            Command::Prepare { dirs } => run_prepare(&dirs),
         }
     });
     runtime.shutdown_timeout(Duration::from_millis(100));
@@ -120,6 +129,28 @@ fn init_logging() {
         .with_ansi(false)
         .with_target(false)
         .init();
+}
+
+fn run_prepare(dirs: &[PathBuf]) -> i32 {
+    for dir in dirs {
+        if let Err(error) = make_private_dir(dir) {
+            return fail(&format!("prepare {}: {error}", dir.display()));
+        }
+    }
+    0
+}
+
+/// Creates `dir` (and missing parents); the last component gets mode 0700. An existing directory
+/// is kept as it is.
+fn make_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        other => other,
+    }
 }
 
 fn fail(message: &str) -> i32 {

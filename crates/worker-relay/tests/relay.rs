@@ -546,3 +546,38 @@ async fn a_repeated_terminate_is_one_sigterm() {
     .await;
     assert_eq!(rest.matches("TERM").count(), 1, "the agent saw: {rest:?}");
 }
+
+#[test]
+fn prepare_makes_private_session_directories() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let home = root.path().join("volume/home");
+    let workspace = root.path().join("volume/workspace");
+    for _ in 0..2 {
+        // Twice: an existing directory is fine (a replaced Pod prepares the same volume again).
+        let output = std::process::Command::new(RELAY)
+            .arg("prepare")
+            .args([&home, &workspace])
+            .output()
+            .expect("run the relay");
+        assert!(output.status.success(), "{output:?}");
+    }
+    for dir in [&home, &workspace] {
+        let mode = std::fs::metadata(dir).expect("made").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{}", dir.display());
+    }
+
+    // Something that is not a directory in the way is an error that names it.
+    let blocked = root.path().join("file");
+    std::fs::write(&blocked, b"").expect("a file");
+    let output = std::process::Command::new(RELAY)
+        .arg("prepare")
+        .arg(&blocked)
+        .output()
+        .expect("run the relay");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("prepare"),
+        "{output:?}"
+    );
+}

@@ -1,0 +1,53 @@
+//! API errors in the contract's terms: what a retry can fix and what it cannot.
+
+use session_runtime::Error;
+
+use crate::RUNTIME;
+
+/// Whether `error` is the API server's answer with HTTP status `code`.
+pub(crate) fn is_status(error: &kube::Error, code: u16) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == code)
+}
+
+/// An API failure as [`Error::Backend`]: retryable for throttling, timeouts, conflicts, server
+/// errors and broken connections; not retryable for refusals (RBAC, validation, admission), which
+/// need an operator.
+pub(crate) fn api_error(what: &str, error: kube::Error) -> Error {
+    let retryable = match &error {
+        kube::Error::Api(status) => matches!(status.code, 409 | 429 | 500..=599),
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        _ => false,
+    };
+    let hint = match &error {
+        kube::Error::Api(status) if status.code == 403 => {
+            " (the broker's identity lacks this permission: see deploy/kubernetes/broker-rbac.yaml)"
+        }
+        _ => "",
+    };
+    Error::backend(RUNTIME, retryable, format!("{what}{hint}"), error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> kube::Error {
+        kube::Error::Api(Box::new(
+            kube::core::Status::failure("said", "Reason").with_code(code),
+        ))
+    }
+
+    #[test]
+    fn refusals_need_an_operator_and_transients_a_retry() {
+        for code in [409, 429, 500, 503] {
+            assert!(api_error("x", status(code)).retryable(), "{code}");
+        }
+        for code in [400, 403, 404, 422] {
+            assert!(!api_error("x", status(code)).retryable(), "{code}");
+        }
+        assert!(api_error("reading", status(403))
+            .to_string()
+            .contains("broker-rbac"));
+        assert!(is_status(&status(409), 409) && !is_status(&status(409), 404));
+    }
+}

@@ -1,0 +1,299 @@
+//! The worker Pod of one generation, from the cluster-owned profile.
+//!
+//! Everything here holds whatever the profile says: Pod Security "restricted" (non-root, no
+//! privilege escalation, every capability dropped, the runtime's seccomp profile), a read-only
+//! root filesystem, no service-account token, no service links, skills read-only and recursively
+//! so, and the session volume as the only writable storage besides a bounded `/tmp`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, Probe,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, TCPSocketAction, Volume,
+    VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use session_runtime::{Generation, SessionId};
+use worker_relay::token::TokenHash;
+
+use crate::names;
+use crate::profile::{InputSource, Storage, WorkerProfile};
+use crate::reach::RELAY_BINARY;
+
+/// The uid and gid every worker runs as (the worker image's user).
+pub(crate) const WORKER_UID: i64 = 65532;
+/// Where the init container mounts the whole session volume to make its two directories.
+const PREPARE_MOUNT: &str = "/session";
+/// The session volume's directories: the workspace and HOME, mounted at the profile's paths.
+const WORKSPACE_DIR: &str = "workspace";
+const HOME_DIR: &str = "home";
+/// The worker's only container.
+pub(crate) const CONTAINER: &str = "worker";
+
+/// What one worker Pod is made of besides the profile.
+#[derive(Debug)]
+pub(crate) struct WorkerSpec<'a> {
+    pub(crate) id: &'a SessionId,
+    pub(crate) installation: &'a str,
+    pub(crate) generation: Generation,
+    pub(crate) token_hash: &'a TokenHash,
+    /// The anchor Lease that owns the Pod (its UID: ownership is by UID, not by name).
+    pub(crate) anchor_uid: &'a str,
+    /// The claim to mount, or `None` for a volume that lives with the Pod.
+    pub(crate) claim: Option<&'a str>,
+}
+
+pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod {
+    let mut metadata = names::meta(names::worker(spec.id), spec.installation, spec.id, "worker");
+    if let Some(labels) = metadata.labels.as_mut() {
+        labels.insert(names::GENERATION.to_owned(), spec.generation.to_string());
+    }
+    // Owned by the anchor, so a deleted anchor takes its Pod along. Not blockOwnerDeletion: that
+    // would need update on leases/finalizers, a right the broker does not need otherwise.
+    metadata.owner_references = Some(vec![OwnerReference {
+        api_version: "coordination.k8s.io/v1".to_owned(),
+        kind: "Lease".to_owned(),
+        name: names::anchor(spec.id),
+        uid: spec.anchor_uid.to_owned(),
+        controller: Some(true),
+        block_owner_deletion: None,
+    }]);
+
+    let mut volumes = vec![
+        Volume {
+            name: "session".to_owned(),
+            persistent_volume_claim: spec.claim.map(|claim| PersistentVolumeClaimVolumeSource {
+                claim_name: claim.to_owned(),
+                read_only: None,
+            }),
+            empty_dir: spec.claim.is_none().then(|| EmptyDirVolumeSource {
+                size_limit: match &profile.storage {
+                    Storage::Ephemeral { size_limit } => size_limit.clone().map(Quantity),
+                    _ => None,
+                },
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+        Volume {
+            name: "tmp".to_owned(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(Quantity("256Mi".to_owned())),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+    ];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "session".to_owned(),
+            mount_path: profile.mount_path.clone(),
+            sub_path: Some(WORKSPACE_DIR.to_owned()),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "session".to_owned(),
+            mount_path: profile.home_path.clone(),
+            sub_path: Some(HOME_DIR.to_owned()),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "tmp".to_owned(),
+            mount_path: "/tmp".to_owned(),
+            ..VolumeMount::default()
+        },
+    ];
+    for (index, skill) in profile.skills.iter().enumerate() {
+        // By position: a skill's name may be longer than a volume name may be.
+        let name = format!("skill-{index}");
+        let mut volume = Volume {
+            name: name.clone(),
+            ..Volume::default()
+        };
+        match &skill.source {
+            InputSource::ConfigMap(map) => {
+                volume.config_map = Some(ConfigMapVolumeSource {
+                    name: map.clone(),
+                    default_mode: Some(0o444),
+                    ..ConfigMapVolumeSource::default()
+                })
+            }
+            InputSource::Claim(claim) => {
+                volume.persistent_volume_claim = Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.clone(),
+                    read_only: Some(true),
+                })
+            }
+        }
+        volumes.push(volume);
+        mounts.push(VolumeMount {
+            name,
+            mount_path: skill.mount_path.clone(),
+            read_only: Some(true),
+            recursive_read_only: Some("IfPossible".to_owned()),
+            ..VolumeMount::default()
+        });
+    }
+
+    let mut env = vec![
+        plain_env("OAB_RELAY_SESSION", spec.id.to_string()),
+        plain_env("OAB_RELAY_GENERATION", spec.generation.to_string()),
+        plain_env("OAB_RELAY_TOKEN_SHA256", spec.token_hash.to_hex()),
+        plain_env("HOME", profile.home_path.clone()),
+    ];
+    env.extend(profile.env.iter().map(|secret| EnvVar {
+        name: secret.name.clone(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.secret.clone(),
+                key: secret.key.clone(),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }));
+
+    let port = i32::from(profile.relay_port);
+    let mut command = vec![
+        RELAY_BINARY.to_owned(),
+        "serve".to_owned(),
+        "--listen".to_owned(),
+        format!("0.0.0.0:{port}"),
+        "--workdir".to_owned(),
+        profile.mount_path.clone(),
+        "--term-grace".to_owned(),
+        format!("{}ms", profile.termination_grace.as_millis()),
+        "--".to_owned(),
+    ];
+    command.extend(profile.agent.iter().cloned());
+
+    let security = SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            add: None,
+        }),
+        ..SecurityContext::default()
+    };
+    // The kubelet would make a missing subPath as root, which the agent could not write: the
+    // relay, as the worker user, makes both directories first.
+    let prepare = Container {
+        name: "prepare".to_owned(),
+        image: Some(profile.image.clone()),
+        image_pull_policy: Some(profile.image_pull_policy.as_str().to_owned()),
+        command: Some(vec![
+            RELAY_BINARY.to_owned(),
+            "prepare".to_owned(),
+            format!("{PREPARE_MOUNT}/{WORKSPACE_DIR}"),
+            format!("{PREPARE_MOUNT}/{HOME_DIR}"),
+        ]),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "session".to_owned(),
+            mount_path: PREPARE_MOUNT.to_owned(),
+            ..VolumeMount::default()
+        }]),
+        security_context: Some(security.clone()),
+        resources: Some(resources(profile)),
+        ..Container::default()
+    };
+
+    let container = Container {
+        name: CONTAINER.to_owned(),
+        image: Some(profile.image.clone()),
+        image_pull_policy: Some(profile.image_pull_policy.as_str().to_owned()),
+        command: Some(command),
+        working_dir: Some("/".to_owned()),
+        env: Some(env),
+        ports: Some(vec![ContainerPort {
+            name: Some("relay".to_owned()),
+            container_port: port,
+            protocol: Some("TCP".to_owned()),
+            ..ContainerPort::default()
+        }]),
+        readiness_probe: Some(Probe {
+            tcp_socket: Some(TCPSocketAction {
+                port: IntOrString::Int(port),
+                host: None,
+            }),
+            period_seconds: Some(1),
+            failure_threshold: Some(1),
+            ..Probe::default()
+        }),
+        resources: Some(resources(profile)),
+        volume_mounts: Some(mounts),
+        security_context: Some(security),
+        ..Container::default()
+    };
+
+    // The relay's own grace for the agent, plus a margin for the relay to report the exit.
+    let grace = i64::try_from(profile.termination_grace.as_secs())
+        .unwrap_or(i64::MAX)
+        .saturating_add(5);
+    Pod {
+        metadata,
+        spec: Some(PodSpec {
+            init_containers: Some(vec![prepare]),
+            containers: vec![container],
+            volumes: Some(volumes),
+            restart_policy: Some("Never".to_owned()),
+            service_account_name: Some("oab-worker".to_owned()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            share_process_namespace: Some(false),
+            termination_grace_period_seconds: Some(grace),
+            runtime_class_name: profile.runtime_class.clone(),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(WORKER_UID),
+                run_as_group: Some(WORKER_UID),
+                fs_group: Some(WORKER_UID),
+                fs_group_change_policy: Some("OnRootMismatch".to_owned()),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".to_owned(),
+                    localhost_profile: None,
+                }),
+                ..PodSecurityContext::default()
+            }),
+            ..PodSpec::default()
+        }),
+        status: None,
+    }
+}
+
+fn plain_env(name: &str, value: String) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: Some(value),
+        ..EnvVar::default()
+    }
+}
+
+fn resources(profile: &WorkerProfile) -> ResourceRequirements {
+    let r = &profile.resources;
+    let pick = |pairs: [(&str, &Option<String>); 3]| {
+        let map: BTreeMap<String, Quantity> = pairs
+            .into_iter()
+            .filter_map(|(name, value)| Some((name.to_owned(), Quantity(value.clone()?))))
+            .collect();
+        (!map.is_empty()).then_some(map)
+    };
+    ResourceRequirements {
+        requests: pick([
+            ("cpu", &r.cpu_request),
+            ("memory", &r.memory_request),
+            ("ephemeral-storage", &None),
+        ]),
+        limits: pick([
+            ("cpu", &r.cpu_limit),
+            ("memory", &r.memory_limit),
+            ("ephemeral-storage", &r.ephemeral_storage_limit),
+        ]),
+        ..ResourceRequirements::default()
+    }
+}

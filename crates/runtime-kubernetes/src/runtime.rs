@@ -1,0 +1,983 @@
+//! [`KubernetesRuntime`]: the contract on a Kubernetes namespace.
+//!
+//! The anchor Lease is the session record; every state change is a compare-and-swap on it, and
+//! every side effect (a Pod, a claim, a delete) follows a record that says it should happen, so a
+//! broker killed between the two leaves a record that the next call or `reconcile` finishes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
+use kube::{Api, Client, ResourceExt};
+use parking_lot::Mutex;
+use session_runtime::config::{KubernetesConfig, Reach};
+use session_runtime::{
+    Attachment, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger, Generation,
+    IsolationLevel, ReconcileReport, Result, Retention, RetentionPolicy, SessionHandle, SessionId,
+    SessionIdentity, SessionRuntime, SessionState, SessionStatus, SuspendReason, WorkerControl,
+};
+use worker_relay::transport::{Connector, TcpConnector};
+use worker_relay::{BrokerKey, ClientConfig, RelayClient};
+
+use crate::api::{api_error, is_status};
+use crate::pod::{worker_pod, WorkerSpec};
+use crate::profile::{Storage, WorkerProfile};
+use crate::reach::ExecConnector;
+use crate::record::{now, CloseRecord, Phase, SessionRecord, Volume};
+use crate::start::{progress, Progress};
+use crate::{names, RUNTIME};
+
+/// How often a starting or stopping Pod is looked at.
+const POLL: Duration = Duration::from_millis(200);
+/// How many times a lost compare-and-swap is retried before the call gives up (retryable).
+const CAS_ATTEMPTS: usize = 8;
+/// How long a stop through the relay may take beyond the agent's grace.
+const RELAY_STOP: Duration = Duration::from_secs(5);
+/// How long a deleted worker Pod may take to go away before the call gives up (retryable).
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One worker Pod and one volume per session, in one namespace; see the crate docs.
+pub struct KubernetesRuntime {
+    leases: Api<Lease>,
+    pods: Api<Pod>,
+    claims: Api<PersistentVolumeClaim>,
+    profiles: Api<ConfigMap>,
+    profile: String,
+    reach: Reach,
+    start_timeout: Duration,
+    installation: String,
+    retention: RetentionPolicy,
+    key: BrokerKey,
+    epoch: u64,
+    /// Serializes the operations of one session within this broker process; across brokers the
+    /// anchor's compare-and-swap does.
+    locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
+    /// The live attachment of each session this process attached: stopped and fenced by the
+    /// next attach, suspend or close.
+    live: Mutex<HashMap<SessionId, Live>>,
+}
+
+impl std::fmt::Debug for KubernetesRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubernetesRuntime")
+            .field("profile", &self.profile)
+            .field("reach", &self.reach)
+            .field("installation", &self.installation)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`KubernetesRuntime`].
+pub struct KubernetesRuntimeBuilder {
+    client: Client,
+    config: KubernetesConfig,
+    installation: String,
+    retention: RetentionPolicy,
+    key: Option<BrokerKey>,
+    epoch: Option<u64>,
+}
+
+impl std::fmt::Debug for KubernetesRuntimeBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubernetesRuntimeBuilder")
+            .field("config", &self.config)
+            .field("installation", &self.installation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubernetesRuntimeBuilder {
+    /// The installation whose sessions this runtime serves (default `openab`).
+    pub fn installation(mut self, installation: impl Into<String>) -> Self {
+        self.installation = installation.into();
+        self
+    }
+
+    /// The retention policy by close reason; a profile may override it.
+    pub fn retention(mut self, retention: RetentionPolicy) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The broker's secret for relay tokens. Brokers that must re-attach to each other's workers
+    /// (a restart, a handover) share it; default: a random key for this process.
+    pub fn broker_key(mut self, key: BrokerKey) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// The broker epoch the relay checks (a newer epoch takes a relay over from an older one);
+    /// default: milliseconds since the Unix epoch at build time, so a restarted broker is newer.
+    pub fn epoch(mut self, epoch: u64) -> Self {
+        self.epoch = Some(epoch);
+        self
+    }
+
+    /// The runtime.
+    ///
+    /// # Errors
+    /// [`Error::Backend`] if no random broker key could be made.
+    pub fn build(self) -> Result<KubernetesRuntime> {
+        let namespace = self.config.namespace.as_str();
+        let key = match self.key {
+            Some(key) => key,
+            None => random_key()?,
+        };
+        let epoch = self.epoch.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |elapsed| {
+                    u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+                })
+        });
+        Ok(KubernetesRuntime {
+            leases: Api::namespaced(self.client.clone(), namespace),
+            pods: Api::namespaced(self.client.clone(), namespace),
+            claims: Api::namespaced(self.client.clone(), namespace),
+            profiles: Api::namespaced(self.client, namespace),
+            profile: self.config.profile,
+            reach: self.config.reach,
+            start_timeout: self.config.start_timeout,
+            installation: self.installation,
+            retention: self.retention,
+            key,
+            epoch,
+            locks: Mutex::new(HashMap::new()),
+            live: Mutex::new(HashMap::new()),
+        })
+    }
+}
+
+fn random_key() -> Result<BrokerKey> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut random| random.read_exact(&mut bytes))
+        .map_err(|error| Error::backend(RUNTIME, false, "no random broker key", error))?;
+    Ok(BrokerKey::new(bytes.to_vec()))
+}
+
+/// What this process holds of a session's live attachment.
+struct Live {
+    fence: FenceTrigger,
+    control: Arc<dyn WorkerControl>,
+}
+
+/// Why a compare-and-swap did not land.
+enum Swap {
+    /// Someone else changed the anchor first; read it again.
+    Lost,
+    /// The call failed.
+    Failed(Error),
+}
+
+impl KubernetesRuntime {
+    /// A builder for a runtime that uses `client` (whose identity needs only the deploy files'
+    /// broker Role) with `config`'s namespace, profile, reach and start timeout.
+    pub fn builder(client: Client, config: KubernetesConfig) -> KubernetesRuntimeBuilder {
+        KubernetesRuntimeBuilder {
+            client,
+            config,
+            installation: "openab".to_owned(),
+            retention: RetentionPolicy::default(),
+            key: None,
+            epoch: None,
+        }
+    }
+
+    fn lock(&self, id: &SessionId) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(self.locks.lock().entry(*id).or_default())
+    }
+
+    /// Stops the agent of this process's live attachment through its relay (so that attachment
+    /// learns how it ended) and fences it on behalf of `generation`. The Pod is deleted after
+    /// this either way; the relay stop is what lets the old attachment report its exit.
+    async fn retire_previous(&self, id: &SessionId, generation: Generation, grace: Duration) {
+        let Some(live) = self.live.lock().remove(id) else {
+            return;
+        };
+        let stopped = if grace.is_zero() {
+            tokio::time::timeout(RELAY_STOP, live.control.kill()).await
+        } else {
+            tokio::time::timeout(grace + RELAY_STOP, live.control.terminate(grace)).await
+        };
+        if !matches!(stopped, Ok(Ok(_))) {
+            tracing::debug!(session = %id, "the previous worker did not report its exit through the relay");
+        }
+        live.fence.fence(generation);
+    }
+
+    /// The session's anchor and record, if it has one. An object under the anchor's name that is
+    /// not the session's own is refused, never adopted.
+    async fn load(&self, id: &SessionId) -> Result<Option<(Lease, SessionRecord)>> {
+        let name = names::anchor(id);
+        let Some(lease) = self
+            .leases
+            .get_opt(&name)
+            .await
+            .map_err(|e| api_error(&format!("reading session {id}"), e))?
+        else {
+            return Ok(None);
+        };
+        if !names::belongs_to(&lease.metadata, id) {
+            return Err(foreign(id, "anchor", &name));
+        }
+        let record = SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref())?;
+        Ok(Some((lease, record)))
+    }
+
+    async fn load_existing(&self, id: &SessionId) -> Result<(Lease, SessionRecord)> {
+        self.load(id).await?.ok_or(Error::NotFound { id: *id })
+    }
+
+    /// Writes `record` over the anchor, only if the anchor is still the one read.
+    async fn swap(&self, lease: &Lease, record: &SessionRecord) -> std::result::Result<Lease, Swap> {
+        let mut next = lease.clone();
+        next.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(names::RECORD.to_owned(), record.to_annotation());
+        let spec = next.spec.get_or_insert_with(LeaseSpec::default);
+        spec.renew_time = Some(MicroTime(jiff_now()));
+        match self
+            .leases
+            .replace(&lease.name_any(), &PostParams::default(), &next)
+            .await
+        {
+            Ok(written) => Ok(written),
+            Err(error) if is_status(&error, 409) => Err(Swap::Lost),
+            Err(error) => Err(Swap::Failed(api_error(
+                &format!("updating session {}", record.id),
+                error,
+            ))),
+        }
+    }
+
+    /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
+    /// with a fresh read. `change` returns `Ok(None)` when there is nothing to write.
+    async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(Lease, SessionRecord)>
+    where
+        F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
+    {
+        for _ in 0..CAS_ATTEMPTS {
+            let (lease, record) = self.load_existing(id).await?;
+            let Some(next) = change(&record)? else {
+                return Ok((lease, record));
+            };
+            match self.swap(&lease, &next).await {
+                Ok(written) => return Ok((written, next)),
+                Err(Swap::Lost) => continue,
+                Err(Swap::Failed(error)) => return Err(error),
+            }
+        }
+        Err(Error::Backend {
+            runtime: RUNTIME,
+            retryable: true,
+            message: format!("session {id}: the anchor kept changing under {CAS_ATTEMPTS} attempts"),
+            source: None,
+        })
+    }
+
+    async fn profile(&self) -> Result<WorkerProfile> {
+        let map = self
+            .profiles
+            .get_opt(&self.profile)
+            .await
+            .map_err(|e| api_error(&format!("reading the worker profile {}", self.profile), e))?;
+        let map = map.ok_or_else(|| Error::InvalidConfig {
+            key: format!("profile/{}", self.profile),
+            reason: format!(
+                "no ConfigMap {} in the sessions namespace; an administrator creates it (see deploy/kubernetes/profile-example.yaml)",
+                self.profile
+            ),
+        })?;
+        WorkerProfile::from_config_map(&map)
+    }
+
+    /// Makes the session's volume, per the profile, and records it; then the session is created.
+    async fn provision(
+        &self,
+        id: &SessionId,
+        lease: Lease,
+        mut record: SessionRecord,
+    ) -> Result<SessionRecord> {
+        let profile = self.profile().await?;
+        record.volume = match &profile.storage {
+            Storage::Ephemeral { .. } => Volume::Ephemeral,
+            Storage::Borrowed { claim } => Volume::Borrowed { claim: claim.clone() },
+            Storage::PerSession {
+                class,
+                size,
+                access_mode,
+            } => {
+                let name = names::storage(id, record.incarnation);
+                let claim = PersistentVolumeClaim {
+                    metadata: names::meta(name.clone(), &self.installation, id, "storage"),
+                    spec: Some(PersistentVolumeClaimSpec {
+                        access_modes: Some(vec![access_mode.as_str().to_owned()]),
+                        storage_class_name: class.clone(),
+                        resources: Some(VolumeResourceRequirements {
+                            requests: Some([("storage".to_owned(), Quantity(size.clone()))].into()),
+                            ..VolumeResourceRequirements::default()
+                        }),
+                        ..PersistentVolumeClaimSpec::default()
+                    }),
+                    status: None,
+                };
+                let created = match self.claims.create(&PostParams::default(), &claim).await {
+                    Ok(created) => created,
+                    // A retried create finds its own claim; anything else under the name is foreign.
+                    Err(error) if is_status(&error, 409) => {
+                        let found = self
+                            .claims
+                            .get(&name)
+                            .await
+                            .map_err(|e| api_error(&format!("reading claim {name}"), e))?;
+                        if !names::belongs_to(&found.metadata, id) {
+                            return Err(foreign(id, "claim", &name));
+                        }
+                        found
+                    }
+                    Err(error) => return Err(api_error(&format!("creating claim {name}"), error)),
+                };
+                Volume::Owned {
+                    claim: name,
+                    uid: created.uid(),
+                }
+            }
+        };
+        record.phase = Phase::Session(SessionState::Created);
+        match self.swap(&lease, &record).await {
+            Ok(_) => Ok(record),
+            Err(Swap::Lost) => Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: true,
+                message: format!("session {id} changed while it was provisioned; create it again"),
+                source: None,
+            }),
+            Err(Swap::Failed(error)) => Err(error),
+        }
+    }
+
+    /// The worker Pod, if one is there and it is the session's.
+    async fn worker(&self, id: &SessionId) -> Result<Option<Pod>> {
+        let name = names::worker(id);
+        let pod = self
+            .pods
+            .get_opt(&name)
+            .await
+            .map_err(|e| api_error(&format!("reading worker {name}"), e))?;
+        match pod {
+            Some(pod) if !names::belongs_to(&pod.metadata, id) => Err(foreign(id, "worker Pod", &name)),
+            other => Ok(other),
+        }
+    }
+
+    /// Deletes the worker Pod (that exact Pod: UID precondition) and waits until it is gone.
+    async fn stop_worker(&self, id: &SessionId, grace: Option<u32>) -> Result<bool> {
+        let Some(pod) = self.worker(id).await? else {
+            return Ok(false);
+        };
+        self.delete_pod(&pod, grace).await?;
+        self.await_gone(id).await?;
+        Ok(true)
+    }
+
+    async fn delete_pod(&self, pod: &Pod, grace: Option<u32>) -> Result<()> {
+        let name = pod.name_any();
+        let params = DeleteParams {
+            grace_period_seconds: grace,
+            preconditions: Some(Preconditions {
+                uid: pod.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.pods.delete(&name, &params).await {
+            Ok(_) => Ok(()),
+            // Gone already, or replaced by another Pod of the same name (which is not this call's).
+            Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
+            Err(error) => Err(api_error(&format!("deleting worker {name}"), error)),
+        }
+    }
+
+    async fn await_gone(&self, id: &SessionId) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
+        while self.worker(id).await?.is_some() {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Error::Backend {
+                    runtime: RUNTIME,
+                    retryable: true,
+                    message: format!(
+                        "worker {} did not go away within {STOP_TIMEOUT:?}",
+                        names::worker(id)
+                    ),
+                    source: None,
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
+    }
+
+    /// Starts the worker of `generation` and waits until its relay is ready.
+    async fn start_worker(
+        &self,
+        id: &SessionId,
+        anchor: &Lease,
+        record: &SessionRecord,
+        profile: &WorkerProfile,
+    ) -> Result<Pod> {
+        let generation = record.generation;
+        // A previous generation's Pod goes first: one worker per session, ever.
+        if let Some(previous) = self.worker(id).await? {
+            match names::pod_generation(&previous.metadata) {
+                Some(theirs) if theirs > generation => return Err(fenced(id, generation, theirs)),
+                _ => {
+                    self.delete_pod(&previous, Some(0)).await?;
+                    self.await_gone(id).await?;
+                }
+            }
+        }
+        let anchor_uid = anchor.uid().unwrap_or_default();
+        let token_hash = self.key.token(id.as_str(), generation).hash();
+        let pod = worker_pod(
+            profile,
+            &WorkerSpec {
+                id,
+                installation: &self.installation,
+                generation,
+                token_hash: &token_hash,
+                anchor_uid: &anchor_uid,
+                claim: record.volume.claim(),
+            },
+        );
+        match self.pods.create(&PostParams::default(), &pod).await {
+            Ok(_) => {}
+            Err(error) if is_status(&error, 409) => {
+                // Another broker started one meanwhile: a newer generation wins, ours is adopted.
+                let found = self
+                    .worker(id)
+                    .await?
+                    .ok_or_else(|| retry_later(id, "the worker Pod vanished while it was adopted"))?;
+                match names::pod_generation(&found.metadata) {
+                    Some(theirs) if theirs == generation => {}
+                    Some(theirs) if theirs > generation => return Err(fenced(id, generation, theirs)),
+                    _ => return Err(retry_later(id, "an older worker Pod is still being removed")),
+                }
+            }
+            Err(error) if is_status(&error, 403) || is_status(&error, 422) => {
+                // Admission refused the Pod (Pod Security, a missing RuntimeClass, a quota): the
+                // profile asks for something this namespace does not allow.
+                return Err(Error::WorkerFailed {
+                    id: *id,
+                    cause: session_runtime::WorkerFailure::Spawn(format!(
+                        "the worker Pod was refused: {error}"
+                    )),
+                });
+            }
+            Err(error) => {
+                return Err(api_error(
+                    &format!("creating worker {}", names::worker(id)),
+                    error,
+                ))
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.start_timeout;
+        let mut unschedulable: Option<String>;
+        loop {
+            let pod = self
+                .worker(id)
+                .await?
+                .ok_or_else(|| retry_later(id, "the worker Pod was deleted while it started"))?;
+            if names::pod_generation(&pod.metadata) != Some(generation) {
+                let theirs = names::pod_generation(&pod.metadata).unwrap_or(0);
+                return Err(fenced(id, generation, theirs));
+            }
+            match progress(&pod) {
+                Progress::Ready => return Ok(pod),
+                Progress::Failed(cause) => return Err(Error::WorkerFailed { id: *id, cause }),
+                Progress::Unschedulable(why) => unschedulable = Some(why),
+                Progress::Starting => unschedulable = None,
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let cause = match unschedulable {
+                    Some(why) => session_runtime::WorkerFailure::Unschedulable(why),
+                    None => session_runtime::WorkerFailure::StartTimeout(self.start_timeout),
+                };
+                return Err(Error::WorkerFailed { id: *id, cause });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {
+        match self.reach {
+            Reach::Exec => Ok(Arc::new(ExecConnector::new(
+                self.pods.clone(),
+                names::worker(id),
+                port,
+            ))),
+            _ => {
+                let ip = pod
+                    .status
+                    .as_ref()
+                    .and_then(|status| status.pod_ip.clone())
+                    .ok_or_else(|| retry_later(id, "the ready worker has no Pod IP yet"))?;
+                let address = match ip.parse::<std::net::IpAddr>() {
+                    Ok(std::net::IpAddr::V6(v6)) => format!("[{v6}]:{port}"),
+                    Ok(v4) => format!("{v4}:{port}"),
+                    Err(_) => return Err(retry_later(id, "the worker's Pod IP is not an address")),
+                };
+                Ok(Arc::new(TcpConnector::new(address)))
+            }
+        }
+    }
+
+    async fn attach_locked(&self, id: &SessionId) -> Result<Attachment> {
+        let (_, current) = self.load_existing(id).await?;
+        if current.phase == Phase::Provisioning {
+            return Err(retry_later(
+                id,
+                "the session is still being provisioned; create it again",
+            ));
+        }
+        let profile = self.profile().await?;
+        let mut generation = 0;
+        let (anchor, record) = self
+            .update(id, |record| {
+                let state = record.state();
+                if record.phase == Phase::Provisioning || !state.can_attach() {
+                    return Err(Error::InvalidState {
+                        id: *id,
+                        state,
+                        operation: "attach",
+                    });
+                }
+                let mut next = record.clone();
+                next.generation = record.generation + 1;
+                next.phase = Phase::Session(SessionState::Running);
+                next.suspend_reason = None;
+                next.worker = Some(crate::record::WorkerRecord {
+                    generation: next.generation,
+                    pod_uid: None,
+                    started_at: now(),
+                });
+                next.last_activity = now();
+                next.profile_version = Some(profile.version().to_owned());
+                generation = next.generation;
+                Ok(Some(next))
+            })
+            .await?;
+        self.retire_previous(id, generation, Duration::ZERO).await;
+        let pod = self.start_worker(id, &anchor, &record, &profile).await?;
+        // Another broker may have taken a newer generation while this one started.
+        let (_, latest) = self.load_existing(id).await?;
+        if latest.generation != generation {
+            return Err(fenced(id, generation, latest.generation));
+        }
+        let connector = self.connector(id, &pod, profile.relay_port)?;
+        let config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
+        let client = RelayClient::new(config, connector);
+        let (fence, trigger) = Fence::new(*id, generation);
+        let attachment = client.attach(fence).await?;
+        let live = Live {
+            fence: trigger,
+            control: attachment.control(),
+        };
+        self.live.lock().insert(*id, live);
+        Ok(attachment)
+    }
+
+    async fn suspend_locked(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {
+        let (_, record) = self
+            .update(id, |record| {
+                let state = record.state();
+                match state {
+                    SessionState::Closing | SessionState::Closed => Err(Error::InvalidState {
+                        id: *id,
+                        state,
+                        operation: "suspend",
+                    }),
+                    SessionState::Running => {
+                        let mut next = record.clone();
+                        next.phase = Phase::Session(SessionState::Suspended);
+                        next.suspend_reason = Some(reason);
+                        next.worker = None;
+                        next.last_activity = now();
+                        Ok(Some(next))
+                    }
+                    _ => Ok(None),
+                }
+            })
+            .await?;
+        let grace = match reason {
+            SuspendReason::Hung => Duration::ZERO,
+            _ => self
+                .profile()
+                .await
+                .map_or(Duration::from_secs(10), |p| p.termination_grace),
+        };
+        self.retire_previous(id, record.generation, grace).await;
+        let pod_grace = (reason == SuspendReason::Hung).then_some(0);
+        self.stop_worker(id, pod_grace).await?;
+        Ok(())
+    }
+
+    async fn close_locked(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
+        if self.load(id).await?.is_none() {
+            return Ok(());
+        }
+        // The retention intent is part of the recorded close, decided once by the first reason.
+        let retention = match self.profile().await {
+            Ok(profile) => profile
+                .retention
+                .as_ref()
+                .map_or_else(|| self.retention.clone(), |o| o.apply(&self.retention)),
+            Err(_) => self.retention.clone(),
+        };
+        let (_, record) = self
+            .update(id, |record| {
+                if record.close.is_some() {
+                    return Ok(None);
+                }
+                let decided = retention.for_reason(reason);
+                let mut next = record.clone();
+                next.phase = Phase::Session(SessionState::Closing);
+                next.worker = None;
+                next.close = Some(CloseRecord {
+                    reason,
+                    retention: decided,
+                    retain_until: (decided == Retention::Retain)
+                        .then(|| retention.retain_for.map(|keep| now() + keep.as_secs()))
+                        .flatten(),
+                    storage_done: false,
+                });
+                Ok(Some(next))
+            })
+            .await?;
+        self.retire_previous(id, record.generation + 1, Duration::ZERO)
+            .await;
+        self.finish_close(id, record).await
+    }
+
+    /// The steps after a recorded close: compute, then storage, then the closed record.
+    async fn finish_close(&self, id: &SessionId, record: SessionRecord) -> Result<()> {
+        let Some(close) = record.close else {
+            return Ok(());
+        };
+        if close.storage_done {
+            return Ok(());
+        }
+        self.retire_previous(id, record.generation + 1, Duration::ZERO)
+            .await;
+        self.stop_worker(id, Some(0)).await?;
+        if close.retention == Retention::Delete {
+            if let Volume::Owned { claim, uid } = &record.volume {
+                self.delete_claim(id, claim, uid.as_deref()).await?;
+            }
+        }
+        self.update(id, |record| {
+            let mut next = record.clone();
+            next.phase = Phase::Session(SessionState::Closed);
+            next.close = next.close.map(|close| CloseRecord {
+                storage_done: true,
+                ..close
+            });
+            Ok((record.state() != SessionState::Closed).then_some(next))
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes a claim this runtime made: only the one with the recorded UID.
+    async fn delete_claim(&self, id: &SessionId, claim: &str, uid: Option<&str>) -> Result<()> {
+        let Some(found) = self
+            .claims
+            .get_opt(claim)
+            .await
+            .map_err(|e| api_error(&format!("reading claim {claim}"), e))?
+        else {
+            return Ok(());
+        };
+        if !names::belongs_to(&found.metadata, id) || (uid.is_some() && found.uid().as_deref() != uid) {
+            // Not provably ours: left in place.
+            return Err(foreign(id, "claim", claim));
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: found.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.claims.delete(claim, &params).await {
+            Ok(_) => Ok(()),
+            Err(error) if is_status(&error, 404) => Ok(()),
+            Err(error) => Err(api_error(&format!("deleting claim {claim}"), error)),
+        }
+    }
+
+    async fn create_locked(&self, identity: &SessionIdentity) -> Result<SessionHandle> {
+        let id = identity.id();
+        let digest = data_encoding::HEXLOWER.encode(&identity.digest());
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((lease, record)) = self.load(&id).await? else {
+                let record = SessionRecord::new(id, digest.clone(), 0, 1);
+                let mut anchor = Lease {
+                    metadata: names::meta(names::anchor(&id), &self.installation, &id, "anchor"),
+                    spec: Some(LeaseSpec {
+                        renew_time: Some(MicroTime(jiff_now())),
+                        ..LeaseSpec::default()
+                    }),
+                };
+                if let Some(annotations) = anchor.metadata.annotations.as_mut() {
+                    annotations.insert(names::RECORD.to_owned(), record.to_annotation());
+                }
+                match self.leases.create(&PostParams::default(), &anchor).await {
+                    Ok(created) => {
+                        let record = self.provision(&id, created, record).await?;
+                        return Ok(SessionHandle::new(id, record.state(), record.generation, true));
+                    }
+                    Err(error) if is_status(&error, 409) => continue,
+                    Err(error) => return Err(api_error(&format!("creating session {id}"), error)),
+                }
+            };
+            if record.identity_digest != digest {
+                return Err(Error::Backend {
+                    runtime: RUNTIME,
+                    retryable: false,
+                    message: format!("session {id}: the anchor belongs to another identity"),
+                    source: None,
+                });
+            }
+            match record.phase {
+                Phase::Provisioning => {
+                    let record = self.provision(&id, lease, record).await?;
+                    return Ok(SessionHandle::new(id, record.state(), record.generation, true));
+                }
+                Phase::Session(SessionState::Closing) => self.finish_close(&id, record).await?,
+                Phase::Session(SessionState::Closed) => {
+                    // A new session under the same id: generations keep growing, and the new
+                    // incarnation gets a volume of its own.
+                    let next =
+                        SessionRecord::new(id, digest.clone(), record.generation, record.incarnation + 1);
+                    match self.swap(&lease, &next).await {
+                        Ok(written) => {
+                            let record = self.provision(&id, written, next).await?;
+                            return Ok(SessionHandle::new(id, record.state(), record.generation, true));
+                        }
+                        Err(Swap::Lost) => continue,
+                        Err(Swap::Failed(error)) => return Err(error),
+                    }
+                }
+                Phase::Session(state) => return Ok(SessionHandle::new(id, state, record.generation, false)),
+            }
+        }
+        Err(retry_later(&id, "the session kept changing while it was created"))
+    }
+
+    /// Test-only fault hooks (see `session_runtime::conformance::FaultInjector`).
+    #[cfg(feature = "testing")]
+    pub(crate) async fn record_only<F>(&self, id: &SessionId, change: F) -> Result<()>
+    where
+        F: Fn(&mut SessionRecord) + Send + Sync,
+    {
+        self.update(id, |record| {
+            let mut next = record.clone();
+            change(&mut next);
+            Ok(Some(next))
+        })
+        .await
+        .map(drop)
+    }
+}
+
+fn jiff_now() -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::now()
+}
+
+fn foreign(id: &SessionId, what: &str, name: &str) -> Error {
+    Error::Backend {
+        runtime: RUNTIME,
+        retryable: false,
+        message: format!(
+            "session {id}: the {what} {name} exists but is not this session's (no matching openab.dev/session-id); it is left alone"
+        ),
+        source: None,
+    }
+}
+
+fn fenced(id: &SessionId, ours: Generation, theirs: Generation) -> Error {
+    Error::Fenced {
+        id: *id,
+        generation: ours,
+        current: theirs,
+    }
+}
+
+fn retry_later(id: &SessionId, why: &str) -> Error {
+    Error::Backend {
+        runtime: RUNTIME,
+        retryable: true,
+        message: format!("session {id}: {why}"),
+        source: None,
+    }
+}
+
+#[async_trait]
+impl SessionRuntime for KubernetesRuntime {
+    fn name(&self) -> &'static str {
+        RUNTIME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::minimal()
+            .with_isolation(IsolationLevel::Pod)
+            .with_persistent_storage(true)
+            .with_survives_broker_restart(true)
+    }
+
+    async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
+        if identity.installation() != self.installation {
+            return Err(Error::InvalidIdentity {
+                part: "installation",
+                problem: format!("belongs to another installation than {}", self.installation),
+            });
+        }
+        if options.workspace_seed.is_some() {
+            return Err(Error::Unsupported {
+                runtime: RUNTIME,
+                operation: "create with a workspace seed (not built yet for Kubernetes)",
+            });
+        }
+        let lock = self.lock(&identity.id());
+        let _held = lock.lock().await;
+        self.create_locked(identity).await
+    }
+
+    async fn attach(&self, id: &SessionId) -> Result<Attachment> {
+        let lock = self.lock(id);
+        let _held = lock.lock().await;
+        self.attach_locked(id).await
+    }
+
+    async fn suspend(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {
+        let lock = self.lock(id);
+        let _held = lock.lock().await;
+        self.suspend_locked(id, reason).await
+    }
+
+    async fn close(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
+        let lock = self.lock(id);
+        let _held = lock.lock().await;
+        self.close_locked(id, reason).await
+    }
+
+    async fn status(&self, id: &SessionId) -> Result<SessionStatus> {
+        let (_, record) = self.load_existing(id).await?;
+        Ok(record.status())
+    }
+
+    async fn list(&self) -> Result<Vec<SessionStatus>> {
+        let params = ListParams::default().labels(&names::installation_selector(&self.installation));
+        let anchors = self
+            .leases
+            .list(&params)
+            .await
+            .map_err(|e| api_error("listing sessions", e))?;
+        let mut sessions = Vec::new();
+        for lease in anchors {
+            let Some(id) = lease
+                .labels()
+                .get(names::SESSION)
+                .and_then(|value| SessionId::parse(value).ok())
+            else {
+                continue;
+            };
+            if !names::belongs_to(&lease.metadata, &id) {
+                continue;
+            }
+            match SessionRecord::from_anchor(&id, lease.metadata.annotations.as_ref()) {
+                Ok(record) => sessions.push(record.status()),
+                Err(error) => tracing::warn!(session = %id, "skipping an unreadable session: {error}"),
+            }
+        }
+        Ok(sessions)
+    }
+
+    async fn reconcile(&self) -> Result<ReconcileReport> {
+        crate::reconcile::run(self).await
+    }
+}
+
+impl KubernetesRuntime {
+    pub(crate) fn pods(&self) -> &Api<Pod> {
+        &self.pods
+    }
+
+    pub(crate) fn installation(&self) -> &str {
+        &self.installation
+    }
+
+    pub(crate) async fn reconcile_session(&self, id: &SessionId, report: &mut ReconcileReport) -> Result<()> {
+        let lock = self.lock(id);
+        let _held = lock.lock().await;
+        let Some((_, record)) = self.load(id).await? else {
+            return Ok(());
+        };
+        match record.state() {
+            SessionState::Closing => {
+                self.finish_close(id, record).await?;
+                report.finished_closes.push(*id);
+            }
+            SessionState::Running => {
+                if let Some(pod) = self.worker(id).await? {
+                    if names::pod_generation(&pod.metadata) < Some(record.generation) {
+                        self.delete_pod(&pod, Some(0)).await?;
+                        report
+                            .killed_workers
+                            .push((*id, format!("pod/{}", pod.name_any())));
+                    }
+                }
+            }
+            _ => {
+                if let Some(pod) = self.worker(id).await? {
+                    self.retire_previous(id, record.generation + 1, Duration::ZERO)
+                        .await;
+                    self.delete_pod(&pod, Some(0)).await?;
+                    report
+                        .killed_workers
+                        .push((*id, format!("pod/{}", pod.name_any())));
+                }
+                if let (Some(close), Volume::Owned { claim, uid }) = (record.close, &record.volume) {
+                    let expired = close.retention == Retention::Retain
+                        && close.retain_until.is_some_and(|until| until <= now());
+                    if expired {
+                        self.delete_claim(id, claim, uid.as_deref()).await?;
+                        self.update(id, |record| {
+                            let mut next = record.clone();
+                            next.close = next.close.map(|close| CloseRecord {
+                                retention: Retention::Delete,
+                                ..close
+                            });
+                            Ok(Some(next))
+                        })
+                        .await?;
+                        report.expired_storage.push(*id);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

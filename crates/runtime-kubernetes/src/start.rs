@@ -1,0 +1,134 @@
+//! Why a worker Pod did not start, in the contract's terms and the Pod's own words.
+
+use k8s_openapi::api::core::v1::Pod;
+use session_runtime::{WorkerExit, WorkerFailure};
+
+/// Where a starting Pod is.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Progress {
+    /// Ready: the relay accepts connections.
+    Ready,
+    /// Still starting (scheduling, pulling, creating).
+    Starting,
+    /// Not scheduled yet, in the scheduler's words. It may still be (a claim being bound, a node
+    /// being added), so it is the failure only once the start timeout passes.
+    Unschedulable(String),
+    /// It will not become ready: the classified reason.
+    Failed(WorkerFailure),
+}
+
+/// Classifies a worker Pod's status. A waiting reason that a retry of the kubelet cannot fix
+/// (a missing image, a bad container config) fails at once rather than at the start timeout.
+pub(crate) fn progress(pod: &Pod) -> Progress {
+    let Some(status) = &pod.status else {
+        return Progress::Starting;
+    };
+    if status.reason.as_deref() == Some("Evicted") {
+        return Progress::Failed(WorkerFailure::Evicted(status.message.clone().unwrap_or_default()));
+    }
+    let container = status.container_statuses.as_ref().and_then(|all| all.first());
+    if let Some(state) = container.and_then(|c| c.state.as_ref()) {
+        if let Some(terminated) = &state.terminated {
+            return Progress::Failed(match terminated.reason.as_deref() {
+                Some("OOMKilled") => WorkerFailure::OutOfMemory,
+                _ if terminated.exit_code > 128 && terminated.signal.is_none() => {
+                    WorkerFailure::Exited(WorkerExit::Signal(terminated.exit_code - 128))
+                }
+                _ => WorkerFailure::Exited(match terminated.signal {
+                    Some(signal) => WorkerExit::Signal(signal),
+                    None => WorkerExit::Code(terminated.exit_code),
+                }),
+            });
+        }
+        if let Some(waiting) = &state.waiting {
+            let said = || {
+                format!(
+                    "{}: {}",
+                    waiting.reason.as_deref().unwrap_or("waiting"),
+                    waiting.message.as_deref().unwrap_or("no message")
+                )
+            };
+            match waiting.reason.as_deref() {
+                Some("ErrImageNeverPull" | "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName") => {
+                    return Progress::Failed(WorkerFailure::ImagePull(said()))
+                }
+                Some("CreateContainerConfigError" | "CreateContainerError" | "RunContainerError") => {
+                    return Progress::Failed(WorkerFailure::Spawn(said()))
+                }
+                _ => {}
+            }
+        }
+    }
+    if status.phase.as_deref() == Some("Failed") {
+        return Progress::Failed(WorkerFailure::Exited(WorkerExit::Unknown));
+    }
+    let conditions = status.conditions.as_deref().unwrap_or_default();
+    if let Some(unschedulable) = conditions.iter().find(|c| {
+        c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
+    }) {
+        return Progress::Unschedulable(unschedulable.message.clone().unwrap_or_default());
+    }
+    if conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+    {
+        return Progress::Ready;
+    }
+    Progress::Starting
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({ "metadata": {}, "status": status })).expect("a Pod")
+    }
+
+    #[test]
+    fn each_kubelet_reason_maps_to_its_kind() {
+        let waiting = |reason: &str| {
+            pod(serde_json::json!({ "containerStatuses": [{
+                "name": "worker", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                "state": { "waiting": { "reason": reason, "message": "said" } } }] }))
+        };
+        assert!(
+            matches!(progress(&waiting("ErrImageNeverPull")), Progress::Failed(WorkerFailure::ImagePull(m)) if m.contains("said"))
+        );
+        assert!(matches!(
+            progress(&waiting("CreateContainerConfigError")),
+            Progress::Failed(WorkerFailure::Spawn(_))
+        ));
+        assert_eq!(progress(&waiting("ContainerCreating")), Progress::Starting);
+
+        let terminated = |reason: &str, code: i32| {
+            pod(serde_json::json!({ "phase": "Failed", "containerStatuses": [{
+                "name": "worker", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                "state": { "terminated": { "reason": reason, "exitCode": code } } }] }))
+        };
+        assert_eq!(
+            progress(&terminated("OOMKilled", 137)),
+            Progress::Failed(WorkerFailure::OutOfMemory)
+        );
+        assert_eq!(
+            progress(&terminated("Error", 3)),
+            Progress::Failed(WorkerFailure::Exited(WorkerExit::Code(3)))
+        );
+        assert_eq!(
+            progress(&terminated("Error", 143)),
+            Progress::Failed(WorkerFailure::Exited(WorkerExit::Signal(15)))
+        );
+        let unschedulable = pod(serde_json::json!({ "phase": "Pending", "conditions": [
+            { "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes" }] }));
+        assert_eq!(
+            progress(&unschedulable),
+            Progress::Unschedulable("0/4 nodes".to_owned())
+        );
+        let ready = pod(
+            serde_json::json!({ "phase": "Running", "conditions": [{ "type": "Ready", "status": "True" }] }),
+        );
+        assert_eq!(progress(&ready), Progress::Ready);
+        let evicted = pod(serde_json::json!({ "phase": "Failed", "reason": "Evicted", "message": "disk" }));
+        assert!(matches!(progress(&evicted), Progress::Failed(WorkerFailure::Evicted(m)) if m == "disk"));
+    }
+}
