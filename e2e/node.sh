@@ -23,6 +23,7 @@ node_packages() {
   done
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
   [ -x /bin/busybox ] || missing+=(busybox-static)
+  command -v git >/dev/null || missing+=(git)
   command -v cc >/dev/null || missing+=(gcc libc6-dev)
   [ ${#missing[@]} -eq 0 ] && return 0
   say "installing ${missing[*]} (the real node)"

@@ -1,0 +1,108 @@
+//! What the runtime's cluster tests share: an administrator's worker profile, and a runtime with
+//! the broker's identity.
+
+// Each test binary uses part of it.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+
+use runtime_kubernetes::profile::PROFILE_KEY;
+use runtime_kubernetes::KubernetesRuntime;
+use session_runtime::config::{KubernetesConfig, Reach};
+use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
+use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::Api;
+use test_cluster::TestCluster;
+
+/// The worker image with the ACP test agent behind the relay, on the test provisioner's storage.
+pub const WORKER_PROFILE: &str = r#"
+image = "openab.dev/worker:test"
+image_pull_policy = "Never"
+agent = ["/usr/local/bin/acp-test-agent"]
+termination_grace = "2s"
+
+[resources]
+memory_limit = "256Mi"
+
+[storage]
+kind = "per-session"
+class = "openab-test-local"
+size = "1Gi"
+"#;
+
+/// A ConfigMap an administrator made in the sessions namespace, removed when dropped.
+pub struct AdminConfigMap {
+    maps: Api<ConfigMap>,
+    name: String,
+}
+
+impl AdminConfigMap {
+    /// Creates (or replaces) ConfigMap `name` with `data`.
+    pub async fn install(cluster: &TestCluster, name: &str, data: &[(&str, &str)]) -> AdminConfigMap {
+        let maps: Api<ConfigMap> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+        let map = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..ObjectMeta::default()
+            },
+            data: Some(
+                data.iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+            ..ConfigMap::default()
+        };
+        let _ = maps.delete(name, &DeleteParams::default()).await;
+        maps.create(&PostParams::default(), &map)
+            .await
+            .expect("install the ConfigMap");
+        AdminConfigMap {
+            maps,
+            name: name.to_owned(),
+        }
+    }
+
+    /// A worker profile named `name`.
+    pub async fn profile(cluster: &TestCluster, name: &str, document: &str) -> AdminConfigMap {
+        Self::install(cluster, name, &[(PROFILE_KEY, document)]).await
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for AdminConfigMap {
+    fn drop(&mut self) {
+        let (maps, name) = (self.maps.clone(), self.name.clone());
+        // The test's runtime may be busy dropping this: delete from a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime
+                .block_on(maps.delete(&name, &DeleteParams::default()))
+                .ok()
+        })
+        .join();
+    }
+}
+
+/// A runtime for `installation` with the broker's identity, the profile and the reach.
+pub fn runtime(
+    cluster: &TestCluster,
+    profile: &AdminConfigMap,
+    reach: Reach,
+    installation: &str,
+) -> Arc<KubernetesRuntime> {
+    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
+    config.reach = reach;
+    Arc::new(
+        KubernetesRuntime::builder(cluster.broker(), config)
+            .installation(installation)
+            .build()
+            .expect("a runtime"),
+    )
+}

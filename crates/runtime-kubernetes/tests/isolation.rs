@@ -1,0 +1,56 @@
+//! The RFC's isolation acceptance test between two real worker Pods: sentinel files in A's
+//! workspace and HOME and a local-only git ref, probed from a shell inside B's container (and the
+//! reverse), and writes to the shared read-only skills refused. Over each reach.
+//!
+//! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
+//! --test isolation -- --ignored`.
+
+mod common;
+
+use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use isolation_suite::{SharedInput, SuiteOptions};
+use session_runtime::config::Reach;
+use session_runtime::{IsolationLevel, SessionRuntime};
+use test_cluster::TestCluster;
+
+const SKILL: &str = "# A shared skill\nRead-only for every session.\n";
+
+async fn isolation(reach: Reach, installation: &str) {
+    let cluster = TestCluster::connect().await;
+    let skills = AdminConfigMap::install(
+        &cluster,
+        &format!("{installation}-skills"),
+        &[("SKILL.md", SKILL)],
+    )
+    .await;
+    let profile_text = format!(
+        "{WORKER_PROFILE}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        skills.name()
+    );
+    let profile = AdminConfigMap::profile(&cluster, installation, &profile_text).await;
+    let runtime = runtime(&cluster, &profile, reach, installation);
+    assert_eq!(runtime.capabilities().isolation, IsolationLevel::Pod);
+    let options = SuiteOptions::new(installation).with_shared_input(SharedInput::new("/skills/SKILL.md"));
+    let report = isolation_suite::run(runtime, &options)
+        .await
+        .expect("the suite runs");
+    println!("{report}");
+    assert!(report.skipped.is_empty(), "every step runs: {:?}", report.skipped);
+    let problems: Vec<_> = report.problems().collect();
+    assert!(
+        report.passed(),
+        "isolation must hold between worker Pods: {problems:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_worker_pods_cannot_touch_each_other_over_exec() {
+    isolation(Reach::Exec, "isolation-exec").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_worker_pods_cannot_touch_each_other_over_the_pod_ip() {
+    isolation(Reach::PodIp, "isolation-pod-ip").await;
+}
