@@ -60,8 +60,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
+use session_runtime::config::{self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration};
 use session_runtime::{Error, Retention, RetentionPolicy};
 
 /// The ConfigMap data key that holds the profile's TOML document.
@@ -143,7 +143,7 @@ impl WorkerProfile {
     /// `profile/<name>` when no key is known), an unknown key, a value of the wrong type or
     /// format, a missing required key, or values that contradict each other.
     pub fn from_toml(name: &str, version: &str, document: &str) -> Result<WorkerProfile, Error> {
-        let document: Document = deserialize(name, document)?;
+        let document: Document = deserialize_toml(document, &format!("profile/{name}"), Some(PROFILE_KEY))?;
         let profile = document.into_profile(name, version);
         profile.validate()?;
         Ok(profile)
@@ -738,7 +738,7 @@ pub struct RetentionOverrides {
     /// `"retain"`.
     pub expired: Option<Retention>,
     /// How long retained storage is kept, e.g. `"7d"`; more than zero.
-    #[serde(deserialize_with = "duration::option")]
+    #[serde(with = "serde_duration::option")]
     pub retain_for: Option<Duration>,
 }
 
@@ -779,12 +779,12 @@ struct Document {
     env: Vec<SecretEnv>,
     runtime_class: Option<String>,
     egress: Vec<String>,
-    #[serde(deserialize_with = "duration::option")]
+    #[serde(with = "serde_duration::option")]
     idle_ttl: Option<Duration>,
-    #[serde(deserialize_with = "duration::option")]
+    #[serde(with = "serde_duration::option")]
     max_lifetime: Option<Duration>,
     retention: Option<RetentionOverrides>,
-    #[serde(deserialize_with = "duration::required")]
+    #[serde(with = "serde_duration")]
     termination_grace: Duration,
 }
 
@@ -845,53 +845,6 @@ fn invalid(profile: &str, key: &str, reason: impl Into<String>) -> Error {
     }
 }
 
-/// Deserializes `text` as TOML, reporting the key path of any error the way
-/// `session_runtime::config` does: keys joined by `.`, array entries as `entry n:` in the reason,
-/// and the line and column when known.
-fn deserialize<T: de::DeserializeOwned>(profile: &str, text: &str) -> Result<T, Error> {
-    serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|err| {
-        let mut keys = Vec::new();
-        let mut entries = Vec::new();
-        for segment in err.path() {
-            match segment {
-                serde_path_to_error::Segment::Map { key } => keys.push(key.as_str()),
-                serde_path_to_error::Segment::Seq { index } => entries.push(index + 1),
-                serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {}
-            }
-        }
-        let key = if keys.is_empty() {
-            format!("profile/{profile}")
-        } else {
-            format!("profile/{profile}.{}", keys.join("."))
-        };
-        let inner = err.inner();
-        let mut reason = String::new();
-        for entry in entries {
-            reason.push_str(&format!("entry {entry}: "));
-        }
-        let message = inner.message().trim();
-        if message.is_empty() {
-            reason.push_str("unexpected input");
-        } else {
-            // toml puts hints on lines of their own.
-            reason.push_str(&message.replace('\n', "; "));
-        }
-        if let Some(span) = inner.span() {
-            let (line, column) = line_column(text, span.start);
-            reason.push_str(&format!(" (at line {line}, column {column} of {PROFILE_KEY})"));
-        }
-        Error::InvalidConfig { key, reason }
-    })
-}
-
-/// The 1-based line and column (in characters) of byte `offset` in `text`.
-fn line_column(text: &str, offset: usize) -> (usize, usize) {
-    let before = text.get(..offset).unwrap_or(text);
-    let line = before.matches('\n').count() + 1;
-    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    (line, before[line_start..].chars().count() + 1)
-}
-
 /// What a quantity measures, which decides its examples and whether `m` makes sense.
 #[derive(Clone, Copy)]
 enum Unit {
@@ -905,58 +858,26 @@ enum Unit {
 /// `T`, `Ki`, `Mi`, `Gi`, `Ti`), into thousandths of the unit (millicores, millibytes), so any two
 /// quantities of one kind compare exactly. Zero is refused: no worker runs in zero of anything.
 fn parse_quantity(text: &str, unit: Unit) -> Result<u128, String> {
-    let example = match unit {
+    let expected = match unit {
         Unit::Cpu => "a CPU quantity such as \"500m\", \"1\" or \"1.5\"",
         Unit::Bytes => "a byte quantity such as \"512Mi\", \"1Gi\" or \"1G\"",
     };
-    let bad = |why: &str| format!("expected {example}, found {text:?}{why}");
-    let number_len = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, suffix) = text.split_at(number_len);
-    let thousandths: u128 = match suffix {
-        // Milli-bytes are legal Kubernetes but always a slip for "Mi".
-        "m" if matches!(unit, Unit::Bytes) => {
-            return Err(bad(" (m means thousandths; for mebibytes write Mi)"))
-        }
-        "m" => 1,
-        "" => 1000,
-        "k" => 1000 * 1000,
-        "M" => 1000 * 1000_u128.pow(2),
-        "G" => 1000 * 1000_u128.pow(3),
-        "T" => 1000 * 1000_u128.pow(4),
-        "Ki" => 1000 << 10,
-        "Mi" => 1000 << 20,
-        "Gi" => 1000 << 30,
-        "Ti" => 1000 << 40,
-        _ => return Err(bad(" (unknown suffix; use m, k, M, G, T, Ki, Mi, Gi or Ti)")),
-    };
-    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
-    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
-    if whole.is_empty()
-        || !digits(whole)
-        || !digits(fraction)
-        || (number.contains('.') && fraction.is_empty())
-    {
-        return Err(bad(""));
-    }
     // Bounded digits keep the arithmetic far inside u128.
-    if whole.trim_start_matches('0').len() > 18 || fraction.len() > 9 {
-        return Err(bad(" (too large or too precise)"));
-    }
-    let whole: u128 = whole.parse().map_err(|_| bad(""))?;
-    let fraction_value: u128 = if fraction.is_empty() {
-        0
-    } else {
-        fraction.parse().map_err(|_| bad(""))?
-    };
-    let scale = 10_u128.pow(fraction.len() as u32);
-    // Kubernetes rounds a fraction of the smallest unit up, and so does this.
-    let value = whole * thousandths + (fraction_value * thousandths).div_ceil(scale);
-    if value == 0 {
-        return Err(bad(" (must be more than zero)"));
-    }
-    Ok(value)
+    config::parse_quantity(text, expected, 18, |suffix| match suffix {
+        // Milli-bytes are legal Kubernetes but always a slip for "Mi".
+        "m" if matches!(unit, Unit::Bytes) => Err("m means thousandths; for mebibytes write Mi"),
+        "m" => Ok(1),
+        "" => Ok(1000),
+        "k" => Ok(1000 * 1000),
+        "M" => Ok(1000 * 1000_u128.pow(2)),
+        "G" => Ok(1000 * 1000_u128.pow(3)),
+        "T" => Ok(1000 * 1000_u128.pow(4)),
+        "Ki" => Ok(1000 << 10),
+        "Mi" => Ok(1000 << 20),
+        "Gi" => Ok(1000 << 30),
+        "Ti" => Ok(1000 << 40),
+        _ => Err("unknown suffix; use m, k, M, G, T, Ki, Mi, Gi or Ti"),
+    })
 }
 
 /// Checks a mount path in the worker: absolute, normalized (no empty, `.` or `..` components,
@@ -1012,40 +933,6 @@ fn check_cidr(text: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks an RFC 1123 DNS label: 1 to 63 characters of `a-z`, `0-9` and `-`, not starting or
-/// ending with `-`.
-fn check_dns_label(name: &str) -> Result<(), String> {
-    let ok = (1..=63).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-');
-    if ok {
-        Ok(())
-    } else if name.is_empty() {
-        Err("is required and must not be empty".to_owned())
-    } else {
-        Err(format!(
-            "expected 1 to 63 characters of a-z, 0-9 and '-', not starting or ending with '-', found {name:?}"
-        ))
-    }
-}
-
-/// Checks an RFC 1123 DNS subdomain name: up to 253 characters, DNS labels joined by `.`.
-fn check_dns_subdomain(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("is required and must not be empty".to_owned());
-    }
-    if name.len() <= 253 && name.split('.').all(|label| check_dns_label(label).is_ok()) {
-        Ok(())
-    } else {
-        Err(format!(
-            "expected a DNS subdomain name (lower-case letters, digits, '-' and '.', up to 253 characters), found {name:?}"
-        ))
-    }
-}
-
 /// Checks a Kubernetes label value, since versions end up in labels: 1 to 63 characters of
 /// letters, digits, `-`, `_` and `.`, starting and ending with a letter or digit.
 fn check_label_value(value: &str) -> Result<(), String> {
@@ -1062,40 +949,6 @@ fn check_label_value(value: &str) -> Result<(), String> {
         Err(format!(
             "expected 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit, found {value:?}"
         ))
-    }
-}
-
-/// Serde adapters for durations written as strings (`"10s"`, `"30m"`, `"8h"`, `"7d"`).
-mod duration {
-    use super::*;
-
-    /// What a duration looks like, for messages.
-    const EXPECTED: &str = "a duration such as \"10s\", \"30m\", \"8h\" or \"7d\"";
-
-    /// Reads a duration string.
-    pub(super) fn required<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        deserializer.deserialize_str(DurationVisitor)
-    }
-
-    /// Reads a present duration string as `Some` (absence is `#[serde(default)]`'s `None`).
-    pub(super) fn option<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
-        required(deserializer).map(Some)
-    }
-
-    /// Accepts a duration string.
-    struct DurationVisitor;
-
-    impl Visitor<'_> for DurationVisitor {
-        type Value = Duration;
-
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str(EXPECTED)
-        }
-
-        fn visit_str<E: de::Error>(self, text: &str) -> Result<Duration, E> {
-            humantime::parse_duration(text)
-                .map_err(|_| E::custom(format!("expected {EXPECTED}, found {text:?}")))
-        }
     }
 }
 

@@ -26,9 +26,18 @@ pub(crate) fn progress(pod: &Pod) -> Progress {
     if status.reason.as_deref() == Some("Evicted") {
         return Progress::Failed(WorkerFailure::Evicted(status.message.clone().unwrap_or_default()));
     }
-    let container = status.container_statuses.as_ref().and_then(|all| all.first());
-    if let Some(state) = container.and_then(|c| c.state.as_ref()) {
+    // The init container (`prepare`) first: until it ends, the worker container has no status.
+    let init = status.init_container_statuses.as_deref().unwrap_or_default();
+    let main = status.container_statuses.as_deref().unwrap_or_default();
+    for container in init.iter().chain(main) {
+        let Some(state) = &container.state else {
+            continue;
+        };
         if let Some(terminated) = &state.terminated {
+            let is_init = init.iter().any(|i| i.name == container.name);
+            if is_init && terminated.exit_code == 0 {
+                continue;
+            }
             return Progress::Failed(match terminated.reason.as_deref() {
                 Some("OOMKilled") => WorkerFailure::OutOfMemory,
                 _ if terminated.exit_code > 128 && terminated.signal.is_none() => {
@@ -43,8 +52,9 @@ pub(crate) fn progress(pod: &Pod) -> Progress {
         if let Some(waiting) = &state.waiting {
             let said = || {
                 format!(
-                    "{}: {}",
+                    "{} ({}): {}",
                     waiting.reason.as_deref().unwrap_or("waiting"),
+                    container.name,
                     waiting.message.as_deref().unwrap_or("no message")
                 )
             };
@@ -100,6 +110,16 @@ mod tests {
             Progress::Failed(WorkerFailure::Spawn(_))
         ));
         assert_eq!(progress(&waiting("ContainerCreating")), Progress::Starting);
+        let init_waiting = pod(serde_json::json!({ "initContainerStatuses": [{
+            "name": "prepare", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": { "waiting": { "reason": "ErrImageNeverPull", "message": "absent" } } }] }));
+        assert!(
+            matches!(progress(&init_waiting), Progress::Failed(WorkerFailure::ImagePull(m)) if m.contains("prepare"))
+        );
+        let init_done = pod(serde_json::json!({ "initContainerStatuses": [{
+            "name": "prepare", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": { "terminated": { "exitCode": 0, "reason": "Completed" } } }] }));
+        assert_eq!(progress(&init_done), Progress::Starting);
 
         let terminated = |reason: &str, code: i32| {
             pod(serde_json::json!({ "phase": "Failed", "containerStatuses": [{

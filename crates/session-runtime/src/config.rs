@@ -46,6 +46,13 @@
 //! The types also implement serde's `Deserialize`, so a larger configuration struct can embed
 //! [`SessionRuntimeConfig`] as a `#[serde(default)] session_runtime` field; call
 //! [`SessionRuntimeConfig::validate`] on the result, which the parsing functions here do for you.
+//!
+//! # Helpers for runtimes' own configuration
+//!
+//! A runtime that reads settings of its own (the Kubernetes runtime's worker profile) can check
+//! and report them the same way: [`deserialize_toml`] for the keys and places in errors,
+//! [`serde_duration`] for durations, [`parse_quantity`] for Kubernetes-style quantities, and
+//! [`check_dns_label`] and [`check_dns_subdomain`] for names of Kubernetes objects.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -58,8 +65,8 @@ use crate::{Error, Result, RetentionPolicy};
 
 mod values;
 
-pub(crate) use values::serde_duration;
 use values::{check_mount_path, quoted, serde_byte_size_option};
+pub use values::{parse_quantity, serde_duration};
 
 /// The name of the configuration section, and the first part of every key in errors.
 const SECTION_NAME: &str = "session_runtime";
@@ -141,7 +148,7 @@ impl SessionRuntimeConfig {
             #[serde(default)]
             session_runtime: SessionRuntimeConfig,
         }
-        let document: Document = deserialize_toml(text, &[])?;
+        let document: Document = deserialize_toml_below(text, &[], None)?;
         document.session_runtime.validate()?;
         Ok(document.session_runtime)
     }
@@ -156,7 +163,7 @@ impl SessionRuntimeConfig {
     ///
     /// As for [`from_toml_document`](Self::from_toml_document).
     pub fn from_toml_section(text: &str) -> Result<Self> {
-        let config: SessionRuntimeConfig = deserialize_toml(text, &[SECTION_NAME])?;
+        let config: SessionRuntimeConfig = deserialize_toml_below(text, &[SECTION_NAME], None)?;
         config.validate()?;
         Ok(config)
     }
@@ -781,9 +788,15 @@ fn parse_runtime_arn(arn: &str) -> std::result::Result<RuntimeArn<'_>, String> {
     }
 }
 
-/// Checks an RFC 1123 DNS label: 1 to 63 characters of `a-z`, `0-9` and `-`, not starting or
-/// ending with `-`.
-fn check_dns_label(name: &str) -> std::result::Result<(), String> {
+/// Checks an RFC 1123 DNS label, such as a Kubernetes namespace or volume name: 1 to 63
+/// characters of `a-z`, `0-9` and `-`, not starting or ending with `-`.
+///
+/// # Errors
+///
+/// The reason, for [`Error::InvalidConfig`]: `is required and must not be empty` for `""`, else
+/// `expected 1 to 63 characters of a-z, 0-9 and '-', not starting or ending with '-', found
+/// "<name>"`.
+pub fn check_dns_label(name: &str) -> std::result::Result<(), String> {
     let ok = (1..=63).contains(&name.len())
         && name
             .bytes()
@@ -801,8 +814,14 @@ fn check_dns_label(name: &str) -> std::result::Result<(), String> {
     }
 }
 
-/// Checks an RFC 1123 DNS subdomain name: up to 253 characters, DNS labels joined by `.`.
-fn check_dns_subdomain(name: &str) -> std::result::Result<(), String> {
+/// Checks an RFC 1123 DNS subdomain name, such as the name of a Kubernetes ConfigMap, Secret or
+/// claim: up to 253 characters, DNS labels joined by `.`.
+///
+/// # Errors
+///
+/// The reason, for [`Error::InvalidConfig`]: `is required and must not be empty` for `""`, else
+/// `expected a DNS subdomain name (...), found "<name>"`.
+pub fn check_dns_subdomain(name: &str) -> std::result::Result<(), String> {
     if name.is_empty() {
         return Err("is required and must not be empty".to_owned());
     }
@@ -832,9 +851,29 @@ fn invalid(key: &str, reason: impl Into<String>) -> Error {
     }
 }
 
+/// Deserializes the TOML document `text`, reporting any failure as an [`Error::InvalidConfig`]
+/// the way this module reports its own.
+///
+/// `key` names the document in errors, e.g. `profile/isolated-worker`: the error's key is `key`
+/// followed by the dotted path of the offending key (`profile/isolated-worker.storage.size`), or
+/// `key` alone where no key is known, as for a TOML syntax error (the reason then starts with
+/// `not valid TOML: `, which holds when `T` is a struct or a map, as documents are). A problem in
+/// the `n`th entry of an array starts its reason with `entry n: `. The reason ends with the line and
+/// column when known, followed by ` of <file>` when `file` is given: ` (at line 3, column 8 of
+/// profile.toml)`.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] for a TOML syntax error, an unknown key (with
+/// `#[serde(deny_unknown_fields)]`) or a value of the wrong type or format.
+pub fn deserialize_toml<T: DeserializeOwned>(text: &str, key: &str, file: Option<&str>) -> Result<T> {
+    deserialize_toml_below(text, &[key], file)
+}
+
 /// Deserializes `text` as TOML, reporting the full key path of any error. `prefix` are the keys
-/// in front of the document's own keys.
-fn deserialize_toml<T: DeserializeOwned>(text: &str, prefix: &[&str]) -> Result<T> {
+/// in front of the document's own keys; with none, an error in no key is reported with the key
+/// `session_runtime`. `file` names the document after its line and column.
+fn deserialize_toml_below<T: DeserializeOwned>(text: &str, prefix: &[&str], file: Option<&str>) -> Result<T> {
     serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|err| {
         let mut key: Vec<&str> = prefix.to_vec();
         let mut entries = Vec::new();
@@ -868,7 +907,8 @@ fn deserialize_toml<T: DeserializeOwned>(text: &str, prefix: &[&str]) -> Result<
         }
         if let Some(span) = inner.span() {
             let (line, column) = line_column(text, span.start);
-            reason.push_str(&format!(" (at line {line}, column {column})"));
+            let of_file = file.map(|file| format!(" of {file}")).unwrap_or_default();
+            reason.push_str(&format!(" (at line {line}, column {column}{of_file})"));
         }
         Error::InvalidConfig { key, reason }
     })
@@ -915,6 +955,28 @@ mod tests {
         assert_eq!(line_column(text, 6), (2, 1));
         assert_eq!(line_column(text, 9), (2, 3));
         assert_eq!(line_column(text, 100), (3, 1));
+    }
+
+    #[test]
+    fn documents_of_other_keys() {
+        #[derive(Debug, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Doc {
+            #[allow(dead_code)]
+            size: u8,
+        }
+        let err = deserialize_toml::<Doc>("size = 300\n", "profile/p", Some("profile.toml")).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidConfig { key, reason }
+                if key == "profile/p.size" && reason.ends_with("(at line 1, column 8 of profile.toml)")),
+            "{err:?}"
+        );
+        let err = deserialize_toml::<Doc>("size = \n", "profile/p", None).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidConfig { key, reason }
+                if key == "profile/p" && reason.starts_with("not valid TOML: ") && reason.ends_with("column 8)")),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -102,6 +102,13 @@ impl TestCluster {
         self.admin.clone()
     }
 
+    /// The admin client's configuration, for making a client of its own on another runtime (a
+    /// cleanup in `Drop` must not use a client whose connection task lives on the test's runtime,
+    /// which the drop may be blocking).
+    pub fn admin_config(&self) -> Config {
+        self.admin_config.clone()
+    }
+
     /// A client with exactly the broker's permissions: what the runtime under test must use.
     pub fn broker(&self) -> Client {
         self.broker.clone()

@@ -32,7 +32,8 @@ size = "1Gi"
 
 /// A ConfigMap an administrator made in the sessions namespace, removed when dropped.
 pub struct AdminConfigMap {
-    maps: Api<ConfigMap>,
+    config: test_cluster::kube::Config,
+    namespace: String,
     name: String,
 }
 
@@ -57,7 +58,8 @@ impl AdminConfigMap {
             .await
             .expect("install the ConfigMap");
         AdminConfigMap {
-            maps,
+            config: cluster.admin_config(),
+            namespace: cluster.sessions_namespace().to_owned(),
             name: name.to_owned(),
         }
     }
@@ -75,16 +77,19 @@ impl AdminConfigMap {
 
 impl Drop for AdminConfigMap {
     fn drop(&mut self) {
-        let (maps, name) = (self.maps.clone(), self.name.clone());
-        // The test's runtime may be busy dropping this: delete from a thread of its own.
+        let (config, namespace, name) = (self.config.clone(), self.namespace.clone(), self.name.clone());
+        // The test's runtime may be blocked in this very drop: delete from a thread, a runtime and
+        // a client of its own.
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .ok()?;
-            runtime
-                .block_on(maps.delete(&name, &DeleteParams::default()))
-                .ok()
+            runtime.block_on(async {
+                let client = test_cluster::kube::Client::try_from(config).ok()?;
+                let maps: Api<ConfigMap> = Api::namespaced(client, &namespace);
+                maps.delete(&name, &DeleteParams::default()).await.ok()
+            })
         })
         .join();
     }

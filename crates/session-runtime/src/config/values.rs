@@ -37,27 +37,32 @@ pub(crate) fn format_duration(duration: Duration) -> String {
     humantime::format_duration(duration).to_string()
 }
 
-/// Serde adapter for a [`Duration`] written as a duration string (`"30m"`).
-pub(crate) mod serde_duration {
+/// Serde adapter for a [`Duration`] written as a duration string: a number and a unit, possibly
+/// repeated (`"90s"`, `"30m"`, `"1h30m"`, `"7d"`), or `"0"`.
+///
+/// Use it as `#[serde(with = "session_runtime::config::serde_duration")]`; anything other than
+/// such a string is an error that says what is expected, e.g. `expected a duration such as
+/// "90s", "30m", "4h", "7d" or "1h30m", found "soon"`.
+pub mod serde_duration {
     use super::*;
 
     /// Writes the duration as a string such as `"1h 30m"`.
-    pub(crate) fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&format_duration(*duration))
     }
 
     /// Reads a duration string; anything else is an error that says what is expected.
-    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
         deserializer.deserialize_str(DurationVisitor)
     }
 
     /// Serde adapter for an `Option<Duration>` whose absence means `None` (use it together with
     /// `#[serde(default)]` and `skip_serializing_if = "Option::is_none"`).
-    pub(crate) mod option {
+    pub mod option {
         use super::*;
 
         /// Writes `Some(duration)` as a duration string and `None` as nothing at all.
-        pub(crate) fn serialize<S: Serializer>(
+        pub fn serialize<S: Serializer>(
             duration: &Option<Duration>,
             serializer: S,
         ) -> Result<S::Ok, S::Error> {
@@ -68,9 +73,7 @@ pub(crate) mod serde_duration {
         }
 
         /// Reads a present duration string as `Some`.
-        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
-            deserializer: D,
-        ) -> Result<Option<Duration>, D::Error> {
+        pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
             deserializer.deserialize_str(DurationVisitor).map(Some)
         }
     }
@@ -91,30 +94,59 @@ impl Visitor<'_> for DurationVisitor {
     }
 }
 
-/// Parses a byte size: a decimal number (a fraction is allowed) and an optional suffix, in
-/// Kubernetes quantity style: `Ki`, `Mi`, `Gi`, `Ti`, `Pi` are powers of 1024; `k` (or `K`), `M`,
-/// `G`, `T`, `P` are powers of 1000; no suffix means bytes. A fractional result is rounded up to
-/// a whole byte. Zero and sizes beyond `u64::MAX` bytes are rejected.
-pub(crate) fn parse_byte_size(text: &str) -> Result<u64, String> {
-    let bad = |why: &str| format!("expected {BYTE_SIZE_EXPECTED}, found {text:?}{why}");
+/// Parses a quantity in Kubernetes style: a decimal number (a fraction is allowed) directly
+/// followed by a suffix, possibly empty, that scales it: `"512Mi"`, `"1.5"`, `"500m"`.
+///
+/// The result is the number times the suffix's multiplier, a fraction rounded up to a whole unit
+/// (as Kubernetes rounds), so any two quantities of one kind compare exactly. Which suffixes there
+/// are, and what each is worth, is the caller's: byte sizes and CPU millicores share the syntax
+/// but not the suffixes. Zero is refused.
+///
+/// - `expected` says what a valid value looks like, for messages, e.g. `a byte size such as
+///   "512Mi"`.
+/// - `max_digits` is the most digits the whole part may have, leading zeros aside; the fraction
+///   may have at most 9.
+/// - `multiplier` gives the value of one of a suffix (`""` when there is none) in the result's
+///   unit, or a note that says why the suffix is refused, e.g. `"unknown suffix"`.
+///
+/// ```
+/// use session_runtime::config::parse_quantity;
+///
+/// let millicores = |suffix: &str| match suffix {
+///     "m" => Ok(1),
+///     "" => Ok(1000),
+///     _ => Err("unknown suffix; use m or none"),
+/// };
+/// assert_eq!(parse_quantity("1.5", "a CPU quantity such as \"500m\"", 18, millicores), Ok(1500));
+/// assert_eq!(
+///     parse_quantity("2k", "a CPU quantity such as \"500m\"", 18, millicores).unwrap_err(),
+///     "expected a CPU quantity such as \"500m\", found \"2k\" (unknown suffix; use m or none)"
+/// );
+/// ```
+///
+/// # Errors
+///
+/// A reason `expected <expected>, found "<text>"`, followed, where there is one, by a note in
+/// parentheses: the refusal of the suffix, `too large or too precise` (more than `max_digits`
+/// whole or 9 fraction digits), `too large` (beyond `u128`) or `must be more than zero`.
+pub fn parse_quantity(
+    text: &str,
+    expected: &str,
+    max_digits: usize,
+    multiplier: impl FnOnce(&str) -> Result<u128, &'static str>,
+) -> Result<u128, String> {
+    let bad = |note: &str| {
+        if note.is_empty() {
+            format!("expected {expected}, found {text:?}")
+        } else {
+            format!("expected {expected}, found {text:?} ({note})")
+        }
+    };
     let number_len = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
     let (number, suffix) = text.split_at(number_len);
-    let multiplier: u128 = match suffix {
-        "" => 1,
-        "k" | "K" => 1000,
-        "M" => 1000_u128.pow(2),
-        "G" => 1000_u128.pow(3),
-        "T" => 1000_u128.pow(4),
-        "P" => 1000_u128.pow(5),
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        _ => return Err(bad(" (unknown suffix)")),
-    };
+    let multiplier = multiplier(suffix).map_err(bad)?;
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
     let digits_ok = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
     if whole.is_empty()
@@ -124,24 +156,49 @@ pub(crate) fn parse_byte_size(text: &str) -> Result<u64, String> {
     {
         return Err(bad(""));
     }
-    // At most 20 integer digits (more than u64::MAX has) and 9 fraction digits keep the
-    // arithmetic below comfortably inside u128.
-    if whole.trim_start_matches('0').len() > 20 || fraction.len() > 9 {
-        return Err(bad(" (too large or too precise)"));
+    if whole.trim_start_matches('0').len() > max_digits || fraction.len() > 9 {
+        return Err(bad("too large or too precise"));
     }
-    let whole: u128 = whole.parse().map_err(|_| bad(""))?;
+    let too_large = || bad("too large");
+    let whole: u128 = whole.parse().map_err(|_| too_large())?;
     let fraction_value: u128 = if fraction.is_empty() {
         0
     } else {
-        fraction.parse().map_err(|_| bad(""))?
+        fraction.parse().map_err(|_| too_large())?
     };
     let scale = 10_u128.pow(fraction.len() as u32);
-    let bytes = whole * multiplier + (fraction_value * multiplier).div_ceil(scale);
-    match u64::try_from(bytes) {
-        Ok(0) => Err(bad(" (must be more than zero)")),
-        Ok(bytes) => Ok(bytes),
-        Err(_) => Err(bad(" (too large)")),
+    let value = whole
+        .checked_mul(multiplier)
+        .zip(fraction_value.checked_mul(multiplier))
+        .and_then(|(whole, fraction)| whole.checked_add(fraction.div_ceil(scale)))
+        .ok_or_else(too_large)?;
+    if value == 0 {
+        return Err(bad("must be more than zero"));
     }
+    Ok(value)
+}
+
+/// Parses a byte size: a decimal number (a fraction is allowed) and an optional suffix, in
+/// Kubernetes quantity style: `Ki`, `Mi`, `Gi`, `Ti`, `Pi` are powers of 1024; `k` (or `K`), `M`,
+/// `G`, `T`, `P` are powers of 1000; no suffix means bytes. A fractional result is rounded up to
+/// a whole byte. Zero and sizes beyond `u64::MAX` bytes are rejected.
+pub(crate) fn parse_byte_size(text: &str) -> Result<u64, String> {
+    // At most 20 integer digits: more than u64::MAX has.
+    let bytes = parse_quantity(text, BYTE_SIZE_EXPECTED, 20, |suffix| match suffix {
+        "" => Ok(1),
+        "k" | "K" => Ok(1000),
+        "M" => Ok(1000_u128.pow(2)),
+        "G" => Ok(1000_u128.pow(3)),
+        "T" => Ok(1000_u128.pow(4)),
+        "P" => Ok(1000_u128.pow(5)),
+        "Ki" => Ok(1 << 10),
+        "Mi" => Ok(1 << 20),
+        "Gi" => Ok(1 << 30),
+        "Ti" => Ok(1 << 40),
+        "Pi" => Ok(1 << 50),
+        _ => Err("unknown suffix"),
+    })?;
+    u64::try_from(bytes).map_err(|_| format!("expected {BYTE_SIZE_EXPECTED}, found {text:?} (too large)"))
 }
 
 /// Formats a byte count with the largest binary suffix that divides it exactly, so that
