@@ -388,7 +388,7 @@ impl KubernetesRuntime {
             return Ok(false);
         };
         self.delete_pod(&pod, grace).await?;
-        self.await_gone(id).await?;
+        self.await_gone(id, &pod).await?;
         Ok(true)
     }
 
@@ -410,9 +410,15 @@ impl KubernetesRuntime {
         }
     }
 
-    async fn await_gone(&self, id: &SessionId) -> Result<()> {
+    /// Waits until the Pod `pod` is gone. A Pod of the same name with another UID counts as gone:
+    /// it is a newer worker another broker started meanwhile, not the one deleted.
+    async fn await_gone(&self, id: &SessionId, pod: &Pod) -> Result<()> {
         let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
-        while self.worker(id).await?.is_some() {
+        loop {
+            match self.worker(id).await? {
+                Some(current) if current.uid() == pod.uid() => {}
+                _ => return Ok(()),
+            }
             if tokio::time::Instant::now() >= deadline {
                 return Err(Error::Backend {
                     runtime: RUNTIME,
@@ -426,7 +432,6 @@ impl KubernetesRuntime {
             }
             tokio::time::sleep(POLL).await;
         }
-        Ok(())
     }
 
     /// Starts the worker of `generation` and waits until its relay is ready.
@@ -438,16 +443,6 @@ impl KubernetesRuntime {
         profile: &WorkerProfile,
     ) -> Result<Pod> {
         let generation = record.generation;
-        // A previous generation's Pod goes first: one worker per session, ever.
-        if let Some(previous) = self.worker(id).await? {
-            match names::pod_generation(&previous.metadata) {
-                Some(theirs) if theirs > generation => return Err(fenced(id, generation, theirs)),
-                _ => {
-                    self.delete_pod(&previous, Some(0)).await?;
-                    self.await_gone(id).await?;
-                }
-            }
-        }
         let anchor_uid = anchor.uid().unwrap_or_default();
         let token_hash = self.key.token(id.as_str(), generation).hash();
         let pod = worker_pod(
@@ -461,44 +456,63 @@ impl KubernetesRuntime {
                 claim: record.volume.claim(),
             },
         );
-        match self.pods.create(&PostParams::default(), &pod).await {
-            Ok(_) => {}
-            Err(error) if is_status(&error, 409) => {
-                // Another broker started one meanwhile: a newer generation wins, ours is adopted.
-                let found = self
-                    .worker(id)
-                    .await?
-                    .ok_or_else(|| retry_later(id, "the worker Pod vanished while it was adopted"))?;
-                match names::pod_generation(&found.metadata) {
-                    Some(theirs) if theirs == generation => {}
+        // One worker per session, ever: an older generation's Pod goes first; a newer one means
+        // this attach lost; our own (a retry) is adopted. Another broker may put an older Pod back
+        // between our delete and our create, so this repeats.
+        let mut adopted = false;
+        for _ in 0..CAS_ATTEMPTS {
+            if let Some(previous) = self.worker(id).await? {
+                match names::pod_generation(&previous.metadata) {
                     Some(theirs) if theirs > generation => return Err(fenced(id, generation, theirs)),
-                    _ => return Err(retry_later(id, "an older worker Pod is still being removed")),
+                    Some(theirs) if theirs == generation => {
+                        adopted = true;
+                        break;
+                    }
+                    _ => {
+                        self.delete_pod(&previous, Some(0)).await?;
+                        self.await_gone(id, &previous).await?;
+                    }
                 }
             }
-            Err(error) if is_status(&error, 403) || is_status(&error, 422) => {
-                // Admission refused the Pod (Pod Security, a missing RuntimeClass, a quota): the
-                // profile asks for something this namespace does not allow.
-                return Err(Error::WorkerFailed {
-                    id: *id,
-                    cause: session_runtime::WorkerFailure::Spawn(format!(
-                        "the worker Pod was refused: {error}"
-                    )),
-                });
+            match self.pods.create(&PostParams::default(), &pod).await {
+                Ok(_) => {
+                    adopted = true;
+                    break;
+                }
+                Err(error) if is_status(&error, 409) => continue,
+                Err(error) if is_status(&error, 403) || is_status(&error, 422) => {
+                    // Admission refused the Pod (Pod Security, a missing RuntimeClass, a quota):
+                    // the profile asks for something this namespace does not allow.
+                    return Err(Error::WorkerFailed {
+                        id: *id,
+                        cause: session_runtime::WorkerFailure::Spawn(format!(
+                            "the worker Pod was refused: {error}"
+                        )),
+                    });
+                }
+                Err(error) => {
+                    return Err(api_error(
+                        &format!("creating worker {}", names::worker(id)),
+                        error,
+                    ))
+                }
             }
-            Err(error) => {
-                return Err(api_error(
-                    &format!("creating worker {}", names::worker(id)),
-                    error,
-                ))
-            }
+        }
+        if !adopted {
+            return Err(retry_later(id, "worker Pods of other generations kept appearing"));
         }
         let deadline = tokio::time::Instant::now() + self.start_timeout;
         let mut unschedulable: Option<String>;
         loop {
-            let pod = self
-                .worker(id)
-                .await?
-                .ok_or_else(|| retry_later(id, "the worker Pod was deleted while it started"))?;
+            let Some(pod) = self.worker(id).await? else {
+                // Deleted while it started: by a broker that attached after this one (fenced), or
+                // by someone else (try again).
+                let (_, latest) = self.load_existing(id).await?;
+                if latest.generation > generation {
+                    return Err(fenced(id, generation, latest.generation));
+                }
+                return Err(retry_later(id, "the worker Pod was deleted while it started"));
+            };
             if names::pod_generation(&pod.metadata) != Some(generation) {
                 let theirs = names::pod_generation(&pod.metadata).unwrap_or(0);
                 return Err(fenced(id, generation, theirs));
