@@ -12,7 +12,7 @@ bridge=oab-br0
 pod_subnet=10.244.0.0/24
 rule_comment=openab-test-cluster
 # The sysctls the kubelet rewrites at start; `up` records them and `down` puts them back.
-kubelet_sysctls="vm.overcommit_memory kernel.panic kernel.panic_on_oops net.ipv4.ip_forward"
+kubelet_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward"
 
 ctr_() { ctr --address "$containerd_socket" -n k8s.io "$@"; }
 
@@ -32,24 +32,32 @@ node_packages() {
 }
 
 # Nothing a Pod sends is forwarded off the bridge, and Pods cannot open connections to this host:
-# only the host's own connections into Pods (and their replies) pass.
+# only the host's own connections into Pods (and their replies) pass. IPv4 and IPv6 alike (the
+# bridge has IPv6 link-local addresses even though Pods get only IPv4 ones).
+firewalls="iptables ip6tables"
+
 node_network_up() {
-  local rule
-  for rule in "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
-      "INPUT -i $bridge -j DROP" "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"; do
-    # shellcheck disable=SC2086
-    iptables -C $rule -m comment --comment "$rule_comment" 2>/dev/null ||
-      iptables -I $rule -m comment --comment "$rule_comment" || die "could not add iptables rule: $rule"
+  local rule tool
+  for tool in $firewalls; do
+    for rule in "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
+        "INPUT -i $bridge -j DROP" "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"; do
+      # shellcheck disable=SC2086
+      "$tool" -C $rule -m comment --comment "$rule_comment" 2>/dev/null ||
+        "$tool" -I $rule -m comment --comment "$rule_comment" || die "could not add $tool rule: $rule"
+    done
   done
 }
 
-node_rules() { iptables -S 2>/dev/null | grep -F -- "--comment $rule_comment" || true; }
+# TOOL: our rules, as `-A ...` lines.
+node_rules() { "$1" -S 2>/dev/null | grep -F -- "--comment $rule_comment" || true; }
 
 node_network_check() {
-  local rules
-  rules=$(node_rules)
-  for wanted in "-A FORWARD -i $bridge ! -o $bridge" "-A FORWARD ! -i $bridge -o $bridge" "-A INPUT -i $bridge -m comment"; do
-    grep -qF -- "$wanted" <<<"$rules" || die "the Pod network's drop rule is missing ($wanted): no Pod may start"
+  local rules tool wanted
+  for tool in $firewalls; do
+    rules=$(node_rules "$tool")
+    for wanted in "-A FORWARD -i $bridge ! -o $bridge" "-A FORWARD ! -i $bridge -o $bridge" "-A INPUT -i $bridge -m comment"; do
+      grep -qF -- "$wanted" <<<"$rules" || die "the Pod network's $tool drop rule is missing ($wanted): no Pod may start"
+    done
   done
 }
 
@@ -245,12 +253,14 @@ node_cgroups_down() {
 # The bridge and the rules outlive the state directory's removal, so `down` ends with them.
 node_network_down() {
   if ip link show "$bridge" >/dev/null 2>&1; then ip link delete "$bridge" 2>/dev/null || true; fi
-  local rule table chain
-  while read -r rule; do
-    [ -n "$rule" ] || continue
-    # shellcheck disable=SC2086
-    iptables ${rule/-A /-D } 2>/dev/null || true
-  done <<<"$(node_rules)"
+  local rule table chain firewall
+  for firewall in $firewalls; do
+    while read -r rule; do
+      [ -n "$rule" ] || continue
+      # shellcheck disable=SC2086
+      "$firewall" ${rule/-A /-D } 2>/dev/null || true
+    done <<<"$(node_rules "$firewall")"
+  done
   # The kubelet's own chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT) and the
   # jumps into them: nothing else on these machines runs Kubernetes, so every KUBE- chain is its.
   local tool
@@ -274,7 +284,7 @@ node_leftovers() {
   local found=""
   pgrep -f "containerd-shim.*$containerd_socket" >/dev/null && found+=" containerd shims;"
   ip link show "$bridge" >/dev/null 2>&1 && found+=" bridge $bridge;"
-  [ -n "$(node_rules)" ] && found+=" iptables rules ($rule_comment);"
+  [ -n "$(node_rules iptables)$(node_rules ip6tables)" ] && found+=" firewall rules ($rule_comment);"
   local table
   for table in filter nat mangle; do
     iptables -t "$table" -S 2>/dev/null | grep -q KUBE- && found+=" kubelet chains in iptables $table;"

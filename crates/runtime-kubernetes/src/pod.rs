@@ -87,17 +87,26 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             ..Volume::default()
         },
     ];
+    // A borrowed claim is one volume for every session of the profile: each session gets a
+    // directory of its own on it, and its agent mounts only that (the init container alone sees
+    // the whole volume).
+    let base = match &profile.storage {
+        Storage::Borrowed { .. } => format!("{}/", spec.id),
+        _ => String::new(),
+    };
+    let workspace_dir = format!("{base}{WORKSPACE_DIR}");
+    let home_dir = format!("{base}{HOME_DIR}");
     let mut mounts = vec![
         VolumeMount {
             name: "session".to_owned(),
             mount_path: profile.mount_path.clone(),
-            sub_path: Some(WORKSPACE_DIR.to_owned()),
+            sub_path: Some(workspace_dir.clone()),
             ..VolumeMount::default()
         },
         VolumeMount {
             name: "session".to_owned(),
             mount_path: profile.home_path.clone(),
-            sub_path: Some(HOME_DIR.to_owned()),
+            sub_path: Some(home_dir.clone()),
             ..VolumeMount::default()
         },
         VolumeMount {
@@ -190,8 +199,8 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         command: Some(vec![
             RELAY_BINARY.to_owned(),
             "prepare".to_owned(),
-            format!("{PREPARE_MOUNT}/{WORKSPACE_DIR}"),
-            format!("{PREPARE_MOUNT}/{HOME_DIR}"),
+            format!("{PREPARE_MOUNT}/{workspace_dir}"),
+            format!("{PREPARE_MOUNT}/{home_dir}"),
         ]),
         volume_mounts: Some(vec![VolumeMount {
             name: "session".to_owned(),
@@ -295,5 +304,100 @@ fn resources(profile: &WorkerProfile) -> ResourceRequirements {
             ("ephemeral-storage", &r.ephemeral_storage_limit),
         ]),
         ..ResourceRequirements::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use session_runtime::SessionIdentity;
+    use worker_relay::BrokerKey;
+
+    fn pod_for(storage: &str) -> (SessionId, Pod) {
+        let document = format!("image = \"w:1\"\nagent = [\"/agent\"]\n{storage}");
+        let profile = WorkerProfile::from_toml("p", "1", &document).expect("a profile");
+        let id = SessionIdentity::new("i", "a", "p", "t").expect("identity").id();
+        let hash = BrokerKey::new(vec![7; 32]).token(id.as_str(), 3).hash();
+        let spec = WorkerSpec {
+            id: &id,
+            installation: "i",
+            generation: 3,
+            token_hash: &hash,
+            anchor_uid: "uid",
+            claim: Some("claim"),
+        };
+        (id, worker_pod(&profile, &spec))
+    }
+
+    fn sub_paths(pod: &Pod) -> Vec<String> {
+        let spec = pod.spec.as_ref().expect("spec");
+        spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter_map(|mount| mount.sub_path.clone())
+            .collect()
+    }
+
+    #[test]
+    fn a_borrowed_claim_gives_each_session_its_own_directories() {
+        let (id, borrowed) = pod_for("[storage]\nkind = \"borrowed\"\nclaim = \"shared\"\n");
+        assert_eq!(
+            sub_paths(&borrowed),
+            [format!("{id}/workspace"), format!("{id}/home")]
+        );
+        let prepare = &borrowed
+            .spec
+            .as_ref()
+            .expect("spec")
+            .init_containers
+            .as_ref()
+            .expect("init")[0];
+        let command = prepare.command.as_ref().expect("command");
+        assert!(
+            command.contains(&format!("/session/{id}/workspace")),
+            "{command:?}"
+        );
+        let (_, own) = pod_for("");
+        assert_eq!(sub_paths(&own), ["workspace", "home"]);
+    }
+
+    #[test]
+    fn every_worker_pod_is_restricted_and_holds_no_token() {
+        let (id, pod) = pod_for("");
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(spec.enable_service_links, Some(false));
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        for container in spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+        {
+            let security = container.security_context.as_ref().expect("security context");
+            assert_eq!(
+                security.allow_privilege_escalation,
+                Some(false),
+                "{}",
+                container.name
+            );
+            assert_eq!(
+                security.read_only_root_filesystem,
+                Some(true),
+                "{}",
+                container.name
+            );
+            let dropped = security.capabilities.as_ref().and_then(|c| c.drop.clone());
+            assert_eq!(dropped, Some(vec!["ALL".to_owned()]), "{}", container.name);
+        }
+        let env = spec.containers[0].env.as_ref().expect("env");
+        let value = |name: &str| env.iter().find(|e| e.name == name).and_then(|e| e.value.clone());
+        assert_eq!(value("OAB_RELAY_SESSION"), Some(id.to_string()));
+        assert_eq!(value("OAB_RELAY_GENERATION"), Some("3".to_owned()));
+        // The Pod holds the token's hash, never the token.
+        let token = BrokerKey::new(vec![7; 32]).token(id.as_str(), 3);
+        assert_eq!(value("OAB_RELAY_TOKEN_SHA256"), Some(token.hash().to_hex()));
+        let labels = pod.metadata.labels.as_ref().expect("labels");
+        assert_eq!(labels.get(names::GENERATION).map(String::as_str), Some("3"));
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kube::api::ListParams;
 use kube::ResourceExt;
-use session_runtime::{ReconcileReport, Result, SessionId, SessionRuntime};
+use session_runtime::{ReconcileReport, Result, SessionId};
 
 use crate::api::api_error;
 use crate::names;
@@ -19,11 +19,10 @@ const ORPHAN_GRACE: Duration = Duration::from_secs(60);
 
 pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
-    let sessions = runtime.list().await?;
-    let anchored: BTreeSet<SessionId> = sessions.iter().map(|status| status.id).collect();
-    for status in &sessions {
-        if let Err(error) = runtime.reconcile_session(&status.id, &mut report).await {
-            report.errors.push(format!("session {}: {error}", status.id));
+    let anchored: BTreeSet<SessionId> = runtime.anchor_ids().await?.into_iter().collect();
+    for id in &anchored {
+        if let Err(error) = runtime.reconcile_session(id, &mut report).await {
+            report.errors.push(format!("session {id}: {error}"));
         }
     }
     // Workers whose session has no anchor: their owner reference lets the garbage collector take
@@ -48,7 +47,8 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
         else {
             continue;
         };
-        if anchored.contains(&id) || !names::belongs_to(&pod.metadata, &id) {
+        let terminating = pod.metadata.deletion_timestamp.is_some();
+        if terminating || anchored.contains(&id) || !names::belongs_to(&pod.metadata, &id) {
             continue;
         }
         let old_enough =
@@ -64,7 +64,7 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
             .delete(
                 &name,
                 &kube::api::DeleteParams {
-                    grace_period_seconds: Some(0),
+                    grace_period_seconds: Some(1),
                     preconditions: Some(kube::api::Preconditions {
                         uid: pod.uid(),
                         resource_version: None,

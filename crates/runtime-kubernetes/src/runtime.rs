@@ -39,6 +39,10 @@ use crate::{names, RUNTIME};
 const POLL: Duration = Duration::from_millis(200);
 /// How many times a lost compare-and-swap is retried before the call gives up (retryable).
 const CAS_ATTEMPTS: usize = 8;
+/// The shortest Pod deletion grace: zero would remove the Pod object at once, before the kubelet
+/// has stopped its containers, so "gone" would no longer mean "stopped" and a new generation's
+/// agent could start on the volume beside the old one.
+const KILL_GRACE: u32 = 1;
 /// How long a stop through the relay may take beyond the agent's grace.
 const RELAY_STOP: Duration = Duration::from_secs(5);
 /// How long a deleted worker Pod may take to go away before the call gives up (retryable).
@@ -307,10 +311,28 @@ impl KubernetesRuntime {
     async fn provision(
         &self,
         id: &SessionId,
-        lease: Lease,
+        mut lease: Lease,
         mut record: SessionRecord,
     ) -> Result<SessionRecord> {
         let profile = self.profile().await?;
+        // The claim's name goes on the record before the claim exists, so that a crash between
+        // the two leaves a record that names it: a close then finds and deletes it.
+        if let Storage::PerSession { .. } = &profile.storage {
+            let claim = names::storage(id, record.incarnation);
+            if record.volume.claim() != Some(claim.as_str()) {
+                record.volume = Volume::Owned { claim, uid: None };
+                lease = match self.swap(&lease, &record).await {
+                    Ok(written) => written,
+                    Err(Swap::Lost) => {
+                        return Err(retry_later(
+                            id,
+                            "the session changed while it was provisioned; create it again",
+                        ))
+                    }
+                    Err(Swap::Failed(error)) => return Err(error),
+                };
+            }
+        }
         record.volume = match &profile.storage {
             Storage::Ephemeral { .. } => Volume::Ephemeral,
             Storage::Borrowed { claim } => Volume::Borrowed { claim: claim.clone() },
@@ -382,11 +404,16 @@ impl KubernetesRuntime {
         }
     }
 
-    /// Deletes the worker Pod (that exact Pod: UID precondition) and waits until it is gone.
-    async fn stop_worker(&self, id: &SessionId, grace: Option<u32>) -> Result<bool> {
+    /// Deletes the worker Pod (that exact Pod: UID precondition) and waits until it is gone. A
+    /// Pod newer than `generation` is left alone: it is a later attach's, which this call's
+    /// record predates.
+    async fn stop_worker(&self, id: &SessionId, generation: Generation, grace: Option<u32>) -> Result<bool> {
         let Some(pod) = self.worker(id).await? else {
             return Ok(false);
         };
+        if names::pod_generation(&pod.metadata).is_some_and(|theirs| theirs > generation) {
+            return Ok(false);
+        }
         self.delete_pod(&pod, grace).await?;
         self.await_gone(id, &pod).await?;
         Ok(true)
@@ -469,7 +496,7 @@ impl KubernetesRuntime {
                         break;
                     }
                     _ => {
-                        self.delete_pod(&previous, Some(0)).await?;
+                        self.delete_pod(&previous, Some(KILL_GRACE)).await?;
                         self.await_gone(id, &previous).await?;
                     }
                 }
@@ -480,6 +507,15 @@ impl KubernetesRuntime {
                     break;
                 }
                 Err(error) if is_status(&error, 409) => continue,
+                // RBAC refusing the broker is an operator's problem, not the profile's.
+                Err(error)
+                    if is_status(&error, 403) && error.to_string().contains("cannot create resource") =>
+                {
+                    return Err(api_error(
+                        &format!("creating worker {}", names::worker(id)),
+                        error,
+                    ))
+                }
                 Err(error) if is_status(&error, 403) || is_status(&error, 422) => {
                     // Admission refused the Pod (Pod Security, a missing RuntimeClass, a quota):
                     // the profile asks for something this namespace does not allow.
@@ -594,10 +630,19 @@ impl KubernetesRuntime {
             .await?;
         self.retire_previous(id, generation, Duration::ZERO).await;
         let pod = self.start_worker(id, &anchor, &record, &profile).await?;
-        // Another broker may have taken a newer generation while this one started.
+        // Another broker may have taken a newer generation, or suspended or closed the session,
+        // while this one started: then this worker must not serve.
         let (_, latest) = self.load_existing(id).await?;
         if latest.generation != generation {
             return Err(fenced(id, generation, latest.generation));
+        }
+        if latest.state() != SessionState::Running {
+            self.delete_pod(&pod, Some(KILL_GRACE)).await?;
+            return Err(Error::InvalidState {
+                id: *id,
+                state: latest.state(),
+                operation: "attach",
+            });
         }
         let connector = self.connector(id, &pod, profile.relay_port)?;
         let config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
@@ -642,8 +687,8 @@ impl KubernetesRuntime {
                 .map_or(Duration::from_secs(10), |p| p.termination_grace),
         };
         self.retire_previous(id, record.generation, grace).await;
-        let pod_grace = (reason == SuspendReason::Hung).then_some(0);
-        self.stop_worker(id, pod_grace).await?;
+        let pod_grace = (reason == SuspendReason::Hung).then_some(KILL_GRACE);
+        self.stop_worker(id, record.generation, pod_grace).await?;
         Ok(())
     }
 
@@ -652,12 +697,15 @@ impl KubernetesRuntime {
             return Ok(());
         }
         // The retention intent is part of the recorded close, decided once by the first reason.
+        // A profile that is missing or invalid has no say; one that could not be read might have
+        // said "retain", so the close waits for it (nothing is recorded yet).
         let retention = match self.profile().await {
             Ok(profile) => profile
                 .retention
                 .as_ref()
                 .map_or_else(|| self.retention.clone(), |o| o.apply(&self.retention)),
-            Err(_) => self.retention.clone(),
+            Err(Error::InvalidConfig { .. }) => self.retention.clone(),
+            Err(error) => return Err(error),
         };
         let (_, record) = self
             .update(id, |record| {
@@ -694,20 +742,25 @@ impl KubernetesRuntime {
         }
         self.retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
-        self.stop_worker(id, Some(0)).await?;
+        self.stop_worker(id, record.generation, Some(KILL_GRACE)).await?;
         if close.retention == Retention::Delete {
             if let Volume::Owned { claim, uid } = &record.volume {
                 self.delete_claim(id, claim, uid.as_deref()).await?;
             }
         }
-        self.update(id, |record| {
-            let mut next = record.clone();
+        let incarnation = record.incarnation;
+        self.update(id, |current| {
+            // Another broker may have finished this close and started the next session.
+            if current.incarnation != incarnation || current.state() != SessionState::Closing {
+                return Ok(None);
+            }
+            let mut next = current.clone();
             next.phase = Phase::Session(SessionState::Closed);
             next.close = next.close.map(|close| CloseRecord {
                 storage_done: true,
                 ..close
             });
-            Ok((record.state() != SessionState::Closed).then_some(next))
+            Ok(Some(next))
         })
         .await?;
         Ok(())
@@ -818,6 +871,11 @@ impl KubernetesRuntime {
 
 fn jiff_now() -> k8s_openapi::jiff::Timestamp {
     k8s_openapi::jiff::Timestamp::now()
+}
+
+/// A Pod that is not already being deleted (a reconcile pass does not count a delete twice).
+fn not_terminating(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
 }
 
 fn foreign(id: &SessionId, what: &str, name: &str) -> Error {
@@ -943,6 +1001,24 @@ impl KubernetesRuntime {
         &self.installation
     }
 
+    /// Every session of the installation that has an anchor, readable or not: a worker whose
+    /// anchor this version cannot parse (a newer record format) is not an orphan.
+    pub(crate) async fn anchor_ids(&self) -> Result<Vec<SessionId>> {
+        let params = ListParams::default().labels(&names::installation_selector(&self.installation));
+        let anchors = self
+            .leases
+            .list(&params)
+            .await
+            .map_err(|e| api_error("listing sessions", e))?;
+        Ok(anchors
+            .iter()
+            .filter_map(|lease| {
+                let id = SessionId::parse(lease.labels().get(names::SESSION)?).ok()?;
+                names::belongs_to(&lease.metadata, &id).then_some(id)
+            })
+            .collect())
+    }
+
     pub(crate) async fn reconcile_session(&self, id: &SessionId, report: &mut ReconcileReport) -> Result<()> {
         let lock = self.lock(id);
         let _held = lock.lock().await;
@@ -955,9 +1031,9 @@ impl KubernetesRuntime {
                 report.finished_closes.push(*id);
             }
             SessionState::Running => {
-                if let Some(pod) = self.worker(id).await? {
+                if let Some(pod) = self.worker(id).await?.filter(not_terminating) {
                     if names::pod_generation(&pod.metadata) < Some(record.generation) {
-                        self.delete_pod(&pod, Some(0)).await?;
+                        self.delete_pod(&pod, Some(KILL_GRACE)).await?;
                         report
                             .killed_workers
                             .push((*id, format!("pod/{}", pod.name_any())));
@@ -965,10 +1041,10 @@ impl KubernetesRuntime {
                 }
             }
             _ => {
-                if let Some(pod) = self.worker(id).await? {
+                if let Some(pod) = self.worker(id).await?.filter(not_terminating) {
                     self.retire_previous(id, record.generation + 1, Duration::ZERO)
                         .await;
-                    self.delete_pod(&pod, Some(0)).await?;
+                    self.delete_pod(&pod, Some(KILL_GRACE)).await?;
                     report
                         .killed_workers
                         .push((*id, format!("pod/{}", pod.name_any())));
