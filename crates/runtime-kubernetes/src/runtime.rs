@@ -961,24 +961,8 @@ impl SessionRuntime for KubernetesRuntime {
     }
 
     async fn list(&self) -> Result<Vec<SessionStatus>> {
-        let params = ListParams::default().labels(&names::installation_selector(&self.installation));
-        let anchors = self
-            .leases
-            .list(&params)
-            .await
-            .map_err(|e| api_error("listing sessions", e))?;
         let mut sessions = Vec::new();
-        for lease in anchors {
-            let Some(id) = lease
-                .labels()
-                .get(names::SESSION)
-                .and_then(|value| SessionId::parse(value).ok())
-            else {
-                continue;
-            };
-            if !names::belongs_to(&lease.metadata, &id) {
-                continue;
-            }
+        for (id, lease) in self.anchors().await? {
             match SessionRecord::from_anchor(&id, lease.metadata.annotations.as_ref()) {
                 Ok(record) => sessions.push(record.status()),
                 Err(error) => tracing::warn!(session = %id, "skipping an unreadable session: {error}"),
@@ -1001,9 +985,9 @@ impl KubernetesRuntime {
         &self.installation
     }
 
-    /// Every session of the installation that has an anchor, readable or not: a worker whose
-    /// anchor this version cannot parse (a newer record format) is not an orphan.
-    pub(crate) async fn anchor_ids(&self) -> Result<Vec<SessionId>> {
+    /// Every anchor of the installation that is its session's own, with its session id; its
+    /// record may still be unreadable (a newer format, say).
+    async fn anchors(&self) -> Result<Vec<(SessionId, Lease)>> {
         let params = ListParams::default().labels(&names::installation_selector(&self.installation));
         let anchors = self
             .leases
@@ -1011,12 +995,18 @@ impl KubernetesRuntime {
             .await
             .map_err(|e| api_error("listing sessions", e))?;
         Ok(anchors
-            .iter()
+            .into_iter()
             .filter_map(|lease| {
                 let id = SessionId::parse(lease.labels().get(names::SESSION)?).ok()?;
-                names::belongs_to(&lease.metadata, &id).then_some(id)
+                names::belongs_to(&lease.metadata, &id).then_some((id, lease))
             })
             .collect())
+    }
+
+    /// Every session of the installation that has an anchor, readable or not: a worker whose
+    /// anchor this version cannot parse is not an orphan.
+    pub(crate) async fn anchor_ids(&self) -> Result<Vec<SessionId>> {
+        Ok(self.anchors().await?.into_iter().map(|(id, _)| id).collect())
     }
 
     pub(crate) async fn reconcile_session(&self, id: &SessionId, report: &mut ReconcileReport) -> Result<()> {
