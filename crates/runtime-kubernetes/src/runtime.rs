@@ -920,12 +920,7 @@ impl SessionRuntime for KubernetesRuntime {
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
-        if identity.installation() != self.installation {
-            return Err(Error::InvalidIdentity {
-                part: "installation",
-                problem: format!("belongs to another installation than {}", self.installation),
-            });
-        }
+        identity.require_installation(&self.installation)?;
         if options.workspace_seed.is_some() {
             return Err(Error::Unsupported {
                 runtime: RUNTIME,

@@ -20,7 +20,7 @@ use test_cluster::kube::api::{
     WatchParams,
 };
 use test_cluster::kube::{Api, Resource, ResourceExt};
-use test_cluster::{api_status, restricted_pod, wait_until, TestCluster};
+use test_cluster::{api_status, restricted_pod, unique_name, wait_until, TestCluster};
 
 /// An image name that no node has: these Pods are admitted and scheduled, never run.
 const ABSENT_IMAGE: &str = "openab.dev/never-pulled:smoke";
@@ -37,13 +37,6 @@ fn lease(name: &str) -> Lease {
             ..LeaseSpec::default()
         }),
     }
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.subsec_nanos());
-    format!("{prefix}-{:x}-{nanos:x}", std::process::id())
 }
 
 #[tokio::test]
@@ -69,7 +62,7 @@ async fn a_pod_that_violates_restricted_is_refused_naming_the_control() {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
 
     // The compliant Pod passes the whole admission chain (dry run: nothing is stored)...
-    let compliant = restricted_pod(&unique("compliant"), ABSENT_IMAGE, &[]);
+    let compliant = restricted_pod(&unique_name("compliant"), ABSENT_IMAGE, &[]);
     let dry_run = PostParams {
         dry_run: true,
         ..PostParams::default()
@@ -79,7 +72,7 @@ async fn a_pod_that_violates_restricted_is_refused_naming_the_control() {
         .expect("a restricted-compliant Pod is admitted");
 
     // ...and the same Pod with one forbidden control is refused, with that control named.
-    let mut capable = restricted_pod(&unique("capable"), ABSENT_IMAGE, &[]);
+    let mut capable = restricted_pod(&unique_name("capable"), ABSENT_IMAGE, &[]);
     let container = &mut capable.spec.as_mut().expect("spec").containers[0];
     let security = container.security_context.get_or_insert_with(Default::default);
     security.capabilities.get_or_insert_with(Default::default).add = Some(vec!["NET_ADMIN".to_owned()]);
@@ -90,7 +83,7 @@ async fn a_pod_that_violates_restricted_is_refused_naming_the_control() {
     assert!(message.contains("unrestricted capabilities"), "{message}");
     assert!(message.contains("NET_ADMIN"), "{message}");
 
-    let mut root = restricted_pod(&unique("root"), ABSENT_IMAGE, &[]);
+    let mut root = restricted_pod(&unique_name("root"), ABSENT_IMAGE, &[]);
     let pod_security = root.spec.as_mut().expect("spec").security_context.as_mut();
     let pod_security = pod_security.expect("pod security context");
     pod_security.run_as_non_root = None;
@@ -118,7 +111,7 @@ async fn the_broker_has_its_role_and_nothing_else() {
     assert_eq!(api_status(&listed), Some(403), "cluster-wide: {listed:?}");
 
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
-    let name = unique("broker-lease");
+    let name = unique_name("broker-lease");
     let created = leases
         .create(&PostParams::default(), &lease(&name))
         .await
@@ -135,7 +128,7 @@ async fn the_broker_has_its_role_and_nothing_else() {
 async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
     let cluster = TestCluster::connect().await;
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique("cas");
+    let name = unique_name("cas");
     let original = leases
         .create(&PostParams::default(), &lease(&name))
         .await
@@ -189,7 +182,7 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
     let namespace = cluster.sessions_namespace();
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
-    let name = unique("owned");
+    let name = unique_name("owned");
     let owner = leases
         .create(&PostParams::default(), &lease(&name))
         .await

@@ -17,18 +17,11 @@ use test_cluster::k8s_openapi::api::core::v1::{
 use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
-use test_cluster::{api_status, exec, restricted_pod, wait_until, TestCluster, WORKER_UID};
+use test_cluster::{api_status, exec, restricted_pod, unique_name, wait_until, TestCluster, WORKER_UID};
 
 const WORKER_IMAGE: &str = "openab.dev/worker:test";
 /// Starting a Pod on this 2-core machine takes seconds; this only bounds a hung start.
 const START: Duration = Duration::from_secs(120);
-
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.subsec_nanos());
-    format!("{prefix}-{:x}-{nanos:x}", std::process::id())
-}
 
 fn sleeper(name: &str) -> Pod {
     restricted_pod(name, WORKER_IMAGE, &["/bin/sleep", "3600"])
@@ -90,7 +83,7 @@ async fn container_state(
 async fn a_restricted_worker_pod_runs_as_the_worker_uid_with_nothing_extra() {
     let cluster = TestCluster::connect().await;
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique("worker");
+    let name = unique_name("worker");
     let running = start(&pods, &sleeper(&name)).await;
     let node = running
         .spec
@@ -145,7 +138,7 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
     let namespace = cluster.sessions_namespace();
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.broker(), namespace);
-    let claim = unique("data");
+    let claim = unique_name("data");
     claims
         .create(
             &PostParams::default(),
@@ -186,7 +179,7 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
         pod
     };
 
-    let first = unique("volume-a");
+    let first = unique_name("volume-a");
     start(&pods, &with_volume(&first)).await;
     let wrote = exec(
         &pods,
@@ -202,7 +195,7 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
     assert_eq!(wrote.stdout.trim(), WORKER_UID.to_string());
     remove(&pods, &first).await;
 
-    let second = unique("volume-b");
+    let second = unique_name("volume-b");
     start(&pods, &with_volume(&second)).await;
     let read = exec(&pods, &second, &["cat", "/workspace/sentinel"]).await;
     assert_eq!(read.stdout, "kept\n", "{read:?}");
@@ -218,7 +211,7 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
 async fn the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_off_the_bridge() {
     let cluster = TestCluster::connect().await;
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique("relay");
+    let name = unique_name("relay");
     // The image's own entrypoint: oab-relay serving on 0.0.0.0:7780, the test agent behind it.
     let mut relay = restricted_pod(&name, WORKER_IMAGE, &[]);
     let identity =
@@ -287,7 +280,7 @@ async fn the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_of
 async fn a_missing_image_is_reported_as_never_pulled() {
     let cluster = TestCluster::connect().await;
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique("absent");
+    let name = unique_name("absent");
     let pod = restricted_pod(&name, "openab.dev/absent:test", &[]);
     pods.create(&PostParams::default(), &pod).await.expect("create");
     let (waiting, terminated) = container_state(&pods, &name).await;
@@ -306,7 +299,7 @@ async fn a_missing_image_is_reported_as_never_pulled() {
 async fn a_pod_over_its_memory_limit_is_oom_killed_and_says_so() {
     let cluster = TestCluster::connect().await;
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique("hungry");
+    let name = unique_name("hungry");
     // dd allocates its block size at once: 256 MiB against a 32 MiB limit.
     let mut pod = restricted_pod(
         &name,

@@ -714,15 +714,7 @@ impl SessionRuntime for LocalRuntime {
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
-        if identity.installation() != self.settings.installation {
-            return Err(Error::InvalidIdentity {
-                part: "installation",
-                problem: format!(
-                    "belongs to another installation than {}",
-                    self.settings.installation
-                ),
-            });
-        }
+        identity.require_installation(&self.settings.installation)?;
         let id = identity.id();
         let slot = self.slot(&id);
         let mut held = slot.held.lock().await;

@@ -162,6 +162,20 @@ impl SessionIdentity {
         self.id
     }
 
+    /// Checks that the identity belongs to `installation`, the one a runtime serves.
+    ///
+    /// # Errors
+    /// [`Error::InvalidIdentity`] for the `installation` part when it is another.
+    pub fn require_installation(&self, installation: &str) -> Result<(), Error> {
+        if self.installation == installation {
+            return Ok(());
+        }
+        Err(Error::InvalidIdentity {
+            part: "installation",
+            problem: format!("belongs to another installation than {installation}"),
+        })
+    }
+
     /// The full SHA-256 of [`canonical_encoding`](Self::canonical_encoding), of which the
     /// [`SessionId`] is a prefix.
     ///

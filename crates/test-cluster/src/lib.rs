@@ -324,6 +324,11 @@ pub fn api_status<T>(result: &Result<T, kube::Error>) -> Option<u16> {
     }
 }
 
+/// `<prefix>-<suffix>`, a name no other test of this run (or, very likely, of another run) uses.
+pub fn unique_name(prefix: &str) -> String {
+    format!("{prefix}-{}", unique_suffix())
+}
+
 /// Unique across the processes of one run (pid) and the namespaces of one process (counter), and
 /// unlikely to repeat across runs (clock), which matters on a cluster that outlives a run (kind).
 fn unique_suffix() -> String {

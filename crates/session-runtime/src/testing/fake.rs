@@ -285,12 +285,7 @@ impl SessionRuntime for FakeRuntime {
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
-        if identity.installation() != self.installation {
-            return Err(Error::InvalidIdentity {
-                part: "installation",
-                problem: format!("belongs to another installation than {}", self.installation),
-            });
-        }
+        identity.require_installation(&self.installation)?;
         if let Some(WorkspaceSeed::GitClone { .. }) = options.workspace_seed {
             return Err(Error::Unsupported {
                 operation: "git workspace seeds",
