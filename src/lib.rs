@@ -51,9 +51,15 @@ pub use session_runtime::*;
 #[cfg(feature = "local")]
 pub use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
 
+#[cfg(feature = "kubernetes")]
+pub use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
+
 use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 
 /// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
+///
+/// The Kubernetes runtime runs its cluster-owned profile's agent instead of `agent`, and finds
+/// its API server on first use (`KUBECONFIG`, `~/.kube/config`, or the Pod's service account).
 ///
 /// # Errors
 /// - [`Error::InvalidConfig`] naming `session_runtime.type` if the selected backend's cargo
@@ -74,6 +80,11 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
         #[cfg(feature = "local")]
         RuntimeKind::Local => Ok(Arc::new(
             runtime_local::LocalRuntimeBuilder::from_config(config, agent.clone()).build()?,
+        )),
+        // The agent a worker runs is the cluster-owned profile's, never the broker's `[agent]`.
+        #[cfg(feature = "kubernetes")]
+        RuntimeKind::Kubernetes => Ok(Arc::new(
+            runtime_kubernetes::KubernetesRuntime::builder_from_config(config)?.build()?,
         )),
         _ => Err(Error::InvalidConfig {
             key: "session_runtime.type".into(),

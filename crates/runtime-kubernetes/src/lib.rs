@@ -22,6 +22,8 @@
 //! ```
 
 mod api;
+pub mod controller;
+pub mod leader;
 mod names;
 mod pod;
 pub mod profile;
@@ -33,6 +35,8 @@ mod start;
 #[cfg(feature = "testing")]
 mod testing;
 
+pub use controller::{Controller, ControllerEvent};
+pub use leader::{LeaderElection, Term};
 pub use runtime::{KubernetesRuntime, KubernetesRuntimeBuilder};
 
 /// The name this runtime reports in errors and logs.

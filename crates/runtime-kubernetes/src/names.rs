@@ -44,6 +44,24 @@ pub(crate) fn storage(id: &SessionId, incarnation: u64) -> String {
     format!("oab-d-{id}-{incarnation}")
 }
 
+/// The installation's leader Lease: `oab-leader-<installation>` when the installation is a DNS
+/// label, else `oab-leader-h-<hash>`.
+pub(crate) fn leader(installation: &str) -> String {
+    let label = installation_label(installation);
+    let dns = label.len() <= 50
+        && label
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if dns {
+        format!("oab-leader-{label}")
+    } else {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(installation.as_bytes());
+        let encoded = data_encoding::BASE32_NOPAD.encode(&digest).to_ascii_lowercase();
+        format!("oab-leader-h-{}", &encoded[..32])
+    }
+}
+
 /// An installation name as a label value: itself when it is one (at most 63 characters of
 /// `[A-Za-z0-9._-]`, alphanumeric at both ends), else `h-` and a hash of it.
 pub(crate) fn installation_label(installation: &str) -> String {

@@ -256,6 +256,11 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             enable_service_links: Some(false),
             share_process_namespace: Some(false),
             termination_grace_period_seconds: Some(grace),
+            // The profile's maximum lifetime is the kubelet's to enforce: the Pod fails with
+            // `DeadlineExceeded` even if no broker or controller is left to stop it.
+            active_deadline_seconds: profile
+                .max_lifetime
+                .map(|limit| i64::try_from(limit.as_secs()).unwrap_or(i64::MAX)),
             runtime_class_name: profile.runtime_class.clone(),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
@@ -399,5 +404,13 @@ mod tests {
         assert_eq!(value("OAB_RELAY_TOKEN_SHA256"), Some(token.hash().to_hex()));
         let labels = pod.metadata.labels.as_ref().expect("labels");
         assert_eq!(labels.get(names::GENERATION).map(String::as_str), Some("3"));
+        assert_eq!(spec.active_deadline_seconds, None, "no max_lifetime, no deadline");
+    }
+
+    #[test]
+    fn the_maximum_lifetime_is_the_pods_deadline() {
+        let (_, pod) = pod_for("max_lifetime = \"8h\"\n");
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.active_deadline_seconds, Some(8 * 3600));
     }
 }

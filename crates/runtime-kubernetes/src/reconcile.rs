@@ -1,82 +1,392 @@
-//! One reconcile pass: make what runs match the anchors.
+//! One reconcile pass: make what runs and what is stored match the anchors.
 //!
-//! Level-triggered: each pass reads every anchor and worker Pod of the installation and fixes
-//! what differs, so a pass that was interrupted is simply continued by the next.
+//! Level-triggered: a pass lists the installation's anchors, worker Pods and claims once, decides
+//! from that snapshot, and acts only through compare-and-swap on the anchor it read and deletes
+//! with UID preconditions. A snapshot that went stale makes an action fail (and the next pass
+//! decide again), never act on the wrong object; a pass that was interrupted is simply continued
+//! by the next.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use kube::api::ListParams;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{DeleteParams, ListParams, Preconditions};
 use kube::ResourceExt;
-use session_runtime::{ReconcileReport, Result, SessionId};
+use session_runtime::{ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason};
 
-use crate::api::api_error;
+use crate::api::{api_error, is_status};
 use crate::names;
-use crate::runtime::KubernetesRuntime;
+use crate::record::{now, CloseRecord, Phase, ReconcileNote, SessionRecord, Volume};
+use crate::runtime::{KubernetesRuntime, Swap, KILL_GRACE};
 
-/// A worker Pod without an anchor is left this long: its anchor may be a create in flight.
-const ORPHAN_GRACE: Duration = Duration::from_secs(60);
+/// What one pass decides from, besides each anchor.
+pub(crate) struct Policy {
+    pub(crate) idle_ttl: Option<Duration>,
+}
 
 pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
-    let anchored: BTreeSet<SessionId> = runtime.anchor_ids().await?.into_iter().collect();
-    for id in &anchored {
-        if let Err(error) = runtime.reconcile_session(id, &mut report).await {
+    let anchors = runtime.anchors().await?;
+    let workers = list(
+        runtime.pods().await?,
+        runtime.installation(),
+        "worker",
+        "worker Pods",
+    )
+    .await?;
+    let claims = list(
+        runtime.claims().await?,
+        runtime.installation(),
+        "storage",
+        "claims",
+    )
+    .await?;
+    let policy = runtime.policy().await;
+    let by_session: HashMap<SessionId, &Pod> = workers
+        .iter()
+        .filter_map(|pod| Some((session_of(&pod.metadata)?, pod)))
+        .collect();
+    let mut named_claims = BTreeSet::new();
+    let mut unreadable = BTreeSet::new();
+    for (id, lease) in &anchors {
+        let record = match SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref()) {
+            Ok(record) => record,
+            Err(error) => {
+                // A newer broker's record, say: its claims are not orphans, and it is not ours to fix.
+                unreadable.insert(*id);
+                report.errors.push(error.to_string());
+                continue;
+            }
+        };
+        named_claims.extend(record.claims().map(str::to_owned));
+        let worker = by_session.get(id).copied();
+        if let Err(error) = session(runtime, id, lease, record, worker, &policy, &mut report).await {
             report.errors.push(format!("session {id}: {error}"));
         }
     }
-    // Workers whose session has no anchor: their owner reference lets the garbage collector take
-    // them once the anchor is gone, but a Pod made by a broker killed before its anchor existed
-    // has none to follow.
-    let params = ListParams::default().labels(&format!(
-        "{},{}=worker",
-        names::installation_selector(runtime.installation()),
-        names::ROLE
-    ));
-    let pods = runtime
-        .pods()
-        .list(&params)
-        .await
-        .map_err(|e| api_error("listing worker Pods", e))?;
-    let now = k8s_openapi::jiff::Timestamp::now();
-    for pod in pods {
-        let Some(id) = pod
-            .labels()
-            .get(names::SESSION)
-            .and_then(|v| SessionId::parse(v).ok())
-        else {
+    let anchored: BTreeSet<SessionId> = anchors.iter().map(|(id, _)| *id).collect();
+    for (id, pod) in &by_session {
+        if anchored.contains(id)
+            || !is_old(&pod.metadata, runtime)
+            || pod.metadata.deletion_timestamp.is_some()
+        {
+            continue;
+        }
+        // Its owner reference lets the garbage collector take it once the anchor is gone, but a
+        // Pod made by a broker killed before its anchor existed has none to follow.
+        match runtime.delete_pod(pod, Some(KILL_GRACE)).await {
+            Ok(()) => report
+                .killed_workers
+                .push((*id, format!("pod/{}", pod.name_any()))),
+            Err(error) => report
+                .errors
+                .push(format!("orphaned worker {}: {error}", pod.name_any())),
+        }
+    }
+    for claim in &claims {
+        let Some(id) = session_of(&claim.metadata) else {
             continue;
         };
-        let terminating = pod.metadata.deletion_timestamp.is_some();
-        if terminating || anchored.contains(&id) || !names::belongs_to(&pod.metadata, &id) {
+        let name = claim.name_any();
+        if named_claims.contains(&name) || unreadable.contains(&id) || !is_old(&claim.metadata, runtime) {
             continue;
         }
-        let old_enough =
-            pod.metadata.creation_timestamp.as_ref().is_some_and(|created| {
-                now.duration_since(created.0).as_secs() >= ORPHAN_GRACE.as_secs() as i64
-            });
-        if !old_enough {
+        if !runtime.housekeeping.delete_orphaned_storage {
+            report
+                .orphaned_storage
+                .push((id, format!("persistentvolumeclaim/{name}")));
             continue;
         }
-        let name = pod.name_any();
-        match runtime
-            .pods()
-            .delete(
-                &name,
-                &kube::api::DeleteParams {
-                    grace_period_seconds: Some(1),
-                    preconditions: Some(kube::api::Preconditions {
-                        uid: pod.uid(),
-                        resource_version: None,
-                    }),
-                    ..kube::api::DeleteParams::default()
-                },
-            )
-            .await
-        {
-            Ok(_) => report.killed_workers.push((id, format!("pod/{name}"))),
-            Err(error) => report.errors.push(format!("orphaned worker {name}: {error}")),
+        match delete_orphaned_claim(runtime, claim).await {
+            Ok(()) => report.expired_storage.push(id),
+            Err(error) => report.errors.push(format!("orphaned claim {name}: {error}")),
         }
     }
     Ok(report)
+}
+
+/// One session, from its anchor and its worker as listed (either may have changed since).
+pub(crate) async fn session(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    anchor: &Lease,
+    record: SessionRecord,
+    worker: Option<&Pod>,
+    policy: &Policy,
+    report: &mut ReconcileReport,
+) -> Result<()> {
+    let lock = runtime.lock(id);
+    let _held = lock.lock().await;
+    let worker = worker.filter(|pod| pod.metadata.deletion_timestamp.is_none());
+    match record.state() {
+        SessionState::Closing => {
+            runtime.finish_close(id, record).await?;
+            report.finished_closes.push(*id);
+            note(runtime, id, "finished an interrupted close".to_owned()).await;
+            return Ok(());
+        }
+        SessionState::Running => {
+            if let Some(pod) = worker {
+                if names::pod_generation(&pod.metadata) < Some(record.generation) {
+                    runtime.delete_pod(pod, Some(KILL_GRACE)).await?;
+                    report
+                        .killed_workers
+                        .push((*id, format!("pod/{}", pod.name_any())));
+                    note(
+                        runtime,
+                        id,
+                        format!(
+                            "deleted a worker of an older generation than {}",
+                            record.generation
+                        ),
+                    )
+                    .await;
+                }
+            }
+            let idle_for = Duration::from_secs(now().saturating_sub(last_active(anchor, &record)));
+            let idle = policy.idle_ttl.is_some_and(|ttl| idle_for >= ttl);
+            if idle && suspend_idle(runtime, id, anchor, &record, idle_for).await? {
+                report.suspended_idle.push(*id);
+            }
+        }
+        _ => {
+            if let Some(pod) = worker {
+                runtime
+                    .retire_previous(id, record.generation + 1, Duration::ZERO)
+                    .await;
+                runtime.delete_pod(pod, Some(KILL_GRACE)).await?;
+                report
+                    .killed_workers
+                    .push((*id, format!("pod/{}", pod.name_any())));
+                note(
+                    runtime,
+                    id,
+                    format!("deleted a worker of a {} session", record.state()),
+                )
+                .await;
+            }
+        }
+    }
+    expire_storage(runtime, id, &record, report).await?;
+    if record.state() == SessionState::Closed {
+        expire_record(runtime, id, anchor, &record, report).await?;
+    }
+    Ok(())
+}
+
+/// The last sign of life: the anchor's `renewTime` (renewed by whichever broker holds a live
+/// attachment, and by every record update) or the record's last activity.
+fn last_active(anchor: &Lease, record: &SessionRecord) -> u64 {
+    let renewed = anchor
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.renew_time.as_ref())
+        .and_then(|time| u64::try_from(time.0.as_second()).ok())
+        .unwrap_or(0);
+    renewed.max(record.last_activity)
+}
+
+/// Suspends the session if its anchor is still the one that showed it idle: a renewal or an
+/// attach since then makes the swap lose, and the session is left running.
+async fn suspend_idle(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    anchor: &Lease,
+    record: &SessionRecord,
+    idle_for: Duration,
+) -> Result<bool> {
+    let mut next = record.clone();
+    next.phase = Phase::Session(SessionState::Suspended);
+    next.suspend_reason = Some(SuspendReason::Idle);
+    next.worker = None;
+    next.last_activity = now();
+    next.last_reconcile = Some(ReconcileNote {
+        at: now(),
+        action: format!(
+            "suspended: no live attachment for {}",
+            humantime::format_duration(idle_for)
+        ),
+    });
+    match runtime.swap(anchor, &next).await {
+        Ok(_) => {}
+        Err(Swap::Lost) => return Ok(false),
+        Err(Swap::Failed(error)) => return Err(error),
+    }
+    runtime
+        .retire_previous(id, record.generation, Duration::ZERO)
+        .await;
+    // The Pod's own termination grace: the agent gets to stop as it would on any suspend.
+    runtime.stop_worker(id, record.generation, None).await?;
+    Ok(true)
+}
+
+/// Deletes retained claims whose time is up: a closed session's own volume, and those of the
+/// thread's earlier sessions (whatever state the current one is in).
+async fn expire_storage(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    record: &SessionRecord,
+    report: &mut ReconcileReport,
+) -> Result<()> {
+    let now = now();
+    let expired = |until: Option<u64>| until.is_some_and(|until| until <= now);
+    let own = match (&record.close, &record.volume) {
+        (Some(close), Volume::Owned { claim, uid })
+            if close.retention == Retention::Retain && expired(close.retain_until) =>
+        {
+            Some((claim.clone(), uid.clone()))
+        }
+        _ => None,
+    };
+    let earlier: Vec<_> = record
+        .retained
+        .iter()
+        .filter(|kept| expired(kept.until))
+        .map(|kept| (kept.claim.clone(), kept.uid.clone()))
+        .collect();
+    if own.is_none() && earlier.is_empty() {
+        return Ok(());
+    }
+    for (claim, uid) in own.iter().chain(&earlier) {
+        runtime.delete_claim(id, claim, uid.as_deref()).await?;
+    }
+    let gone: Vec<String> = own
+        .iter()
+        .chain(&earlier)
+        .map(|(claim, _)| claim.clone())
+        .collect();
+    runtime
+        .update(id, |current| {
+            let mut next = current.clone();
+            if let (Some(close), Some(claim)) = (next.close.as_mut(), current.volume.claim()) {
+                if gone.iter().any(|c| c == claim) {
+                    *close = CloseRecord {
+                        retention: Retention::Delete,
+                        ..*close
+                    };
+                }
+            }
+            next.retained.retain(|kept| !gone.contains(&kept.claim));
+            next.last_reconcile = Some(ReconcileNote {
+                at: now,
+                action: format!("deleted retained storage past its time: {}", gone.join(", ")),
+            });
+            Ok((next != *current).then_some(next))
+        })
+        .await?;
+    report.expired_storage.push(*id);
+    Ok(())
+}
+
+/// Removes a closed record that holds nothing any more, once it has been closed for the
+/// configured time. Preconditioned on the anchor read: a create since then keeps it.
+async fn expire_record(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    anchor: &Lease,
+    record: &SessionRecord,
+    report: &mut ReconcileReport,
+) -> Result<()> {
+    let closed_for = record.closed_at.map(|at| now().saturating_sub(at));
+    let due = closed_for.is_some_and(|s| s >= runtime.housekeeping.closed_record_ttl.as_secs());
+    if !due || record.holds_storage() {
+        return Ok(());
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: anchor.uid(),
+            resource_version: anchor.resource_version(),
+        }),
+        ..DeleteParams::default()
+    };
+    match runtime.leases().await?.delete(&anchor.name_any(), &params).await {
+        Ok(_) => report.expired_records.push(*id),
+        Err(error) if is_status(&error, 404) || is_status(&error, 409) => {}
+        Err(error) => return Err(api_error(&format!("removing the closed record of {id}"), error)),
+    }
+    Ok(())
+}
+
+async fn delete_orphaned_claim(runtime: &KubernetesRuntime, claim: &PersistentVolumeClaim) -> Result<()> {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: claim.uid(),
+            resource_version: claim.resource_version(),
+        }),
+        ..DeleteParams::default()
+    };
+    match runtime.claims().await?.delete(&claim.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
+        Err(error) => Err(api_error(
+            &format!("deleting orphaned claim {}", claim.name_any()),
+            error,
+        )),
+    }
+}
+
+/// Records what the pass did on the session's status. Best effort: the action itself is done,
+/// and a lost note is only a less informative status.
+async fn note(runtime: &KubernetesRuntime, id: &SessionId, action: String) {
+    let written = runtime
+        .update(id, |current| {
+            let mut next = current.clone();
+            next.last_reconcile = Some(ReconcileNote {
+                at: now(),
+                action: action.clone(),
+            });
+            Ok(Some(next))
+        })
+        .await;
+    if let Err(error) = written {
+        tracing::debug!(session = %id, "recording a reconcile note failed: {error}");
+    }
+}
+
+async fn list<K>(api: &kube::Api<K>, installation: &str, role: &str, what: &str) -> Result<Vec<K>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let params = ListParams::default().labels(&format!(
+        "{},{}={role}",
+        names::installation_selector(installation),
+        names::ROLE
+    ));
+    Ok(api
+        .list(&params)
+        .await
+        .map_err(|e| api_error(&format!("listing {what}"), e))?
+        .items)
+}
+
+/// The session an object is labelled for, if its annotation confirms it.
+fn session_of(meta: &ObjectMeta) -> Option<SessionId> {
+    let id = SessionId::parse(meta.labels.as_ref()?.get(names::SESSION)?).ok()?;
+    names::belongs_to(meta, &id).then_some(id)
+}
+
+/// Whether an object without a record is past the orphan grace (see `orphan_grace`).
+fn is_old(meta: &ObjectMeta, runtime: &KubernetesRuntime) -> bool {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let grace = i64::try_from(runtime.housekeeping.orphan_grace.as_secs()).unwrap_or(i64::MAX);
+    meta.creation_timestamp
+        .as_ref()
+        .is_some_and(|created| now.duration_since(created.0).as_secs() >= grace)
+}
+
+impl KubernetesRuntime {
+    /// The pass's policy: the profile's idle TTL, else the runtime's. A profile that cannot be
+    /// read leaves the runtime's (and says so), rather than stopping the whole pass.
+    pub(crate) async fn policy(&self) -> Policy {
+        let idle_ttl = match self.profile().await {
+            Ok(profile) => profile.idle_ttl.or(self.housekeeping.idle_ttl),
+            Err(error) => {
+                tracing::warn!("reconcile: using the default idle TTL: {error}");
+                self.housekeeping.idle_ttl
+            }
+        };
+        Policy { idle_ttl }
+    }
 }

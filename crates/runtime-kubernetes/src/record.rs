@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use session_runtime::{
-    CloseReason, Error, Generation, RetainedUntil, Retention, SessionId, SessionState, SessionStatus,
-    StorageState, SuspendReason, WorkerInfo,
+    CloseReason, Error, Generation, ReconcileAction, RetainedUntil, Retention, SessionId, SessionState,
+    SessionStatus, StorageState, SuspendReason, WorkerInfo,
 };
 
 use crate::{names, RUNTIME};
@@ -81,6 +81,23 @@ pub(crate) struct CloseRecord {
     pub(crate) storage_done: bool,
 }
 
+/// A claim that an earlier incarnation of the session kept by retention: the thread's next
+/// session got a volume of its own, and this one stays until `until`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RetainedClaim {
+    pub(crate) claim: String,
+    pub(crate) uid: Option<String>,
+    /// Seconds since the epoch after which it may go; `None` = forever.
+    pub(crate) until: Option<u64>,
+}
+
+/// What the last reconcile pass did to the session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ReconcileNote {
+    pub(crate) at: u64,
+    pub(crate) action: String,
+}
+
 /// The session record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct SessionRecord {
@@ -101,6 +118,14 @@ pub(crate) struct SessionRecord {
     pub(crate) last_activity: u64,
     /// The profile version (ConfigMap resourceVersion) the current worker was started with.
     pub(crate) profile_version: Option<String>,
+    /// Retained claims of earlier incarnations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) retained: Vec<RetainedClaim>,
+    /// When the session became closed (its record expires from then on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) closed_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) last_reconcile: Option<ReconcileNote>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -135,6 +160,9 @@ impl SessionRecord {
             created_at: now,
             last_activity: now,
             profile_version: None,
+            retained: Vec::new(),
+            closed_at: None,
+            last_reconcile: None,
         }
     }
 
@@ -161,6 +189,42 @@ impl SessionRecord {
             return Err(unreadable(format!("it names session {}", record.id)));
         }
         Ok(record)
+    }
+
+    /// The record of the thread's next session under the same id, after this closed one:
+    /// generations keep growing, the new incarnation gets a volume of its own, and claims kept by
+    /// retention stay on the record until they expire.
+    pub(crate) fn next_incarnation(&self, identity_digest: String) -> SessionRecord {
+        let mut next = SessionRecord::new(self.id, identity_digest, self.generation, self.incarnation + 1);
+        next.retained = self.retained.clone();
+        if let (Some(close), Volume::Owned { claim, uid }) = (&self.close, &self.volume) {
+            if close.retention == Retention::Retain {
+                next.retained.push(RetainedClaim {
+                    claim: claim.clone(),
+                    uid: uid.clone(),
+                    until: close.retain_until,
+                });
+            }
+        }
+        next
+    }
+
+    /// Every claim the record names: the current volume's and the retained ones.
+    pub(crate) fn claims(&self) -> impl Iterator<Item = &str> {
+        self.volume
+            .claim()
+            .into_iter()
+            .chain(self.retained.iter().map(|kept| kept.claim.as_str()))
+    }
+
+    /// Whether the record still holds anything: a volume that retention keeps, or retained
+    /// claims of earlier incarnations. A closed record that holds nothing may expire.
+    pub(crate) fn holds_storage(&self) -> bool {
+        let kept = matches!(
+            self.storage(),
+            StorageState::Retained { .. } | StorageState::Present
+        ) && matches!(self.volume, Volume::Owned { .. });
+        kept || !self.retained.is_empty()
     }
 
     pub(crate) fn to_annotation(&self) -> String {
@@ -213,8 +277,18 @@ impl SessionRecord {
         status.storage_refs = self
             .volume
             .claim()
-            .map(|claim| vec![format!("persistentvolumeclaim/{claim}")])
-            .unwrap_or_default();
+            .map(|claim| format!("persistentvolumeclaim/{claim}"))
+            .into_iter()
+            .chain(
+                self.retained
+                    .iter()
+                    .map(|kept| format!("persistentvolumeclaim/{} (retained, earlier session)", kept.claim)),
+            )
+            .collect();
+        status.last_reconcile = self
+            .last_reconcile
+            .as_ref()
+            .map(|note| ReconcileAction::new(instant(note.at), note.action.clone()));
         status
     }
 }
@@ -287,5 +361,43 @@ mod tests {
                 until: RetainedUntil::Forever
             }
         ));
+    }
+
+    #[test]
+    fn a_retained_claim_follows_the_thread_into_its_next_session() {
+        let mut closed = record();
+        closed.phase = Phase::Session(SessionState::Closed);
+        closed.volume = Volume::Owned {
+            claim: "oab-d-x-1".to_owned(),
+            uid: Some("u1".to_owned()),
+        };
+        closed.close = Some(CloseRecord {
+            reason: CloseReason::Ended,
+            retention: Retention::Retain,
+            retain_until: Some(99),
+            storage_done: true,
+        });
+        assert!(closed.holds_storage());
+        let next = closed.next_incarnation("digest".to_owned());
+        assert_eq!((next.incarnation, next.generation), (2, closed.generation));
+        assert_eq!(
+            next.retained,
+            [RetainedClaim {
+                claim: "oab-d-x-1".to_owned(),
+                uid: Some("u1".to_owned()),
+                until: Some(99),
+            }]
+        );
+        assert!(next.claims().any(|c| c == "oab-d-x-1"));
+        // A deleted volume is not carried, and a record holding nothing may expire.
+        closed.close = closed.close.map(|close| CloseRecord {
+            retention: Retention::Delete,
+            ..close
+        });
+        assert!(closed.next_incarnation("digest".to_owned()).retained.is_empty());
+        assert!(!closed.holds_storage());
+        // A record written before these fields existed still reads.
+        let old = closed.to_annotation().replace(",\"closed_at\":null", "");
+        assert!(SessionRecord::from_anchor(&closed.id, Some(&annotated(&old))).is_ok());
     }
 }

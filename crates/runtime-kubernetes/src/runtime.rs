@@ -42,7 +42,7 @@ const CAS_ATTEMPTS: usize = 8;
 /// The shortest Pod deletion grace: zero would remove the Pod object at once, before the kubelet
 /// has stopped its containers, so "gone" would no longer mean "stopped" and a new generation's
 /// agent could start on the volume beside the old one.
-const KILL_GRACE: u32 = 1;
+pub(crate) const KILL_GRACE: u32 = 1;
 /// How long a stop through the relay may take beyond the agent's grace.
 const RELAY_STOP: Duration = Duration::from_secs(5);
 /// How long a deleted worker Pod may take to go away before the call gives up (retryable).
@@ -50,15 +50,15 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One worker Pod and one volume per session, in one namespace; see the crate docs.
 pub struct KubernetesRuntime {
-    leases: Api<Lease>,
-    pods: Api<Pod>,
-    claims: Api<PersistentVolumeClaim>,
-    profiles: Api<ConfigMap>,
+    /// Made at build time from the given client, or on first use from the environment.
+    apis: tokio::sync::OnceCell<Apis>,
+    namespace: String,
     profile: String,
     reach: Reach,
     start_timeout: Duration,
     installation: String,
     retention: RetentionPolicy,
+    pub(crate) housekeeping: Housekeeping,
     key: BrokerKey,
     epoch: u64,
     /// Serializes the operations of one session within this broker process; across brokers the
@@ -80,14 +80,57 @@ impl std::fmt::Debug for KubernetesRuntime {
     }
 }
 
+/// The namespace's API handles this runtime uses.
+struct Apis {
+    leases: Api<Lease>,
+    pods: Api<Pod>,
+    claims: Api<PersistentVolumeClaim>,
+    profiles: Api<ConfigMap>,
+}
+
+impl Apis {
+    fn new(client: Client, namespace: &str) -> Apis {
+        Apis {
+            leases: Api::namespaced(client.clone(), namespace),
+            pods: Api::namespaced(client.clone(), namespace),
+            claims: Api::namespaced(client.clone(), namespace),
+            profiles: Api::namespaced(client, namespace),
+        }
+    }
+}
+
 /// Builds a [`KubernetesRuntime`].
 pub struct KubernetesRuntimeBuilder {
-    client: Client,
+    /// `None`: inferred on first use (`KUBECONFIG`, `~/.kube/config`, or the in-cluster account).
+    client: Option<Client>,
     config: KubernetesConfig,
     installation: String,
     retention: RetentionPolicy,
+    housekeeping: Housekeeping,
     key: Option<BrokerKey>,
     epoch: Option<u64>,
+}
+
+/// What `reconcile` does with time: when a worker counts as idle, when a closed record goes,
+/// whether storage no record names is deleted.
+#[derive(Debug, Clone)]
+pub(crate) struct Housekeeping {
+    /// `None`: never suspended for idleness.
+    pub(crate) idle_ttl: Option<Duration>,
+    pub(crate) closed_record_ttl: Duration,
+    pub(crate) delete_orphaned_storage: bool,
+    pub(crate) orphan_grace: Duration,
+}
+
+impl Default for Housekeeping {
+    fn default() -> Self {
+        Housekeeping {
+            idle_ttl: Some(Duration::from_secs(30 * 60)),
+            closed_record_ttl: Duration::from_secs(7 * 24 * 3600),
+            delete_orphaned_storage: false,
+            orphan_grace: Duration::from_secs(60),
+        }
+    }
 }
 
 impl std::fmt::Debug for KubernetesRuntimeBuilder {
@@ -109,6 +152,39 @@ impl KubernetesRuntimeBuilder {
     /// The retention policy by close reason; a profile may override it.
     pub fn retention(mut self, retention: RetentionPolicy) -> Self {
         self.retention = retention;
+        self
+    }
+
+    /// How long a running worker may go without a broker holding its attachment before
+    /// `reconcile` suspends it (`suspend(Idle)`); `None`: never. A profile's `idle_ttl` overrides
+    /// it. Default 30 minutes, the `[session_runtime] idle_ttl` default. A broker renews the anchor while it holds
+    /// a live attachment, so this catches workers whose broker went away; an attachment a broker
+    /// holds but does not use is the broker's own idle eviction.
+    pub fn idle_ttl(mut self, ttl: impl Into<Option<Duration>>) -> Self {
+        self.housekeeping.idle_ttl = ttl.into();
+        self
+    }
+
+    /// How long the record of a closed session stays once nothing of the session is left (its
+    /// storage deleted, no retained claims): default 7 days. Until then `status` answers for it
+    /// and a re-created session continues its generations.
+    pub fn closed_record_ttl(mut self, ttl: Duration) -> Self {
+        self.housekeeping.closed_record_ttl = ttl;
+        self
+    }
+
+    /// Whether `reconcile` deletes claims of this installation that no session record names
+    /// (default `false`: it reports them in [`ReconcileReport::orphaned_storage`] and leaves them).
+    pub fn delete_orphaned_storage(mut self, delete: bool) -> Self {
+        self.housekeeping.delete_orphaned_storage = delete;
+        self
+    }
+
+    /// How old a worker Pod or claim without a record must be before `reconcile` treats it as
+    /// orphaned (default 60 seconds): younger ones may belong to a create in flight on another
+    /// broker, whose record the pass did not see yet.
+    pub fn orphan_grace(mut self, grace: Duration) -> Self {
+        self.housekeeping.orphan_grace = grace;
         self
     }
 
@@ -143,16 +219,19 @@ impl KubernetesRuntimeBuilder {
                     u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
                 })
         });
+        let apis = match self.client {
+            Some(client) => tokio::sync::OnceCell::new_with(Some(Apis::new(client, namespace))),
+            None => tokio::sync::OnceCell::new(),
+        };
         Ok(KubernetesRuntime {
-            leases: Api::namespaced(self.client.clone(), namespace),
-            pods: Api::namespaced(self.client.clone(), namespace),
-            claims: Api::namespaced(self.client.clone(), namespace),
-            profiles: Api::namespaced(self.client, namespace),
+            apis,
+            namespace: namespace.to_owned(),
             profile: self.config.profile,
             reach: self.config.reach,
             start_timeout: self.config.start_timeout,
             installation: self.installation,
             retention: self.retention,
+            housekeeping: self.housekeeping,
             key,
             epoch,
             locks: Mutex::new(HashMap::new()),
@@ -174,10 +253,27 @@ fn random_key() -> Result<BrokerKey> {
 struct Live {
     fence: FenceTrigger,
     control: Arc<dyn WorkerControl>,
+    /// Renews the anchor while the attachment lives, so `reconcile` does not count it idle.
+    renewal: tokio::task::AbortHandle,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.renewal.abort();
+    }
+}
+
+/// How often a live attachment renews its anchor: four times per idle TTL, at most every five
+/// minutes and at most once a second, so a pass that reads the anchor never sees a live
+/// attachment as idle.
+fn renew_every(idle_ttl: Option<Duration>) -> Duration {
+    idle_ttl.map_or(Duration::from_secs(300), |ttl| {
+        (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300))
+    })
 }
 
 /// Why a compare-and-swap did not land.
-enum Swap {
+pub(crate) enum Swap {
     /// Someone else changed the anchor first; read it again.
     Lost,
     /// The call failed.
@@ -185,27 +281,59 @@ enum Swap {
 }
 
 impl KubernetesRuntime {
+    /// A builder for the runtime a `[session_runtime]` section with `type = "kubernetes"`
+    /// describes: its `[session_runtime.kubernetes]` table, `installation`, `idle_ttl` and
+    /// `retention`. The client is inferred on first use, as `kubectl` does: `KUBECONFIG`, else
+    /// `~/.kube/config`, else the Pod's service account.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `session_runtime.kubernetes` when the table is missing, or
+    /// the key that failed the section's validation.
+    pub fn builder_from_config(
+        config: &session_runtime::config::SessionRuntimeConfig,
+    ) -> Result<KubernetesRuntimeBuilder> {
+        config.validate()?;
+        let kubernetes = config.kubernetes.clone().ok_or_else(|| Error::InvalidConfig {
+            key: "session_runtime.kubernetes".into(),
+            reason:
+                "the Kubernetes runtime needs a [session_runtime.kubernetes] table with namespace and profile"
+                    .into(),
+        })?;
+        let mut builder = KubernetesRuntimeBuilder {
+            client: None,
+            config: kubernetes,
+            installation: config.installation.clone(),
+            retention: config.retention.clone(),
+            housekeeping: Housekeeping::default(),
+            key: None,
+            epoch: None,
+        };
+        builder.housekeeping.idle_ttl = config.idle_ttl;
+        Ok(builder)
+    }
+
     /// A builder for a runtime that uses `client` (whose identity needs only the deploy files'
     /// broker Role) with `config`'s namespace, profile, reach and start timeout.
     pub fn builder(client: Client, config: KubernetesConfig) -> KubernetesRuntimeBuilder {
         KubernetesRuntimeBuilder {
-            client,
+            client: Some(client),
             config,
             installation: "openab".to_owned(),
             retention: RetentionPolicy::default(),
+            housekeeping: Housekeeping::default(),
             key: None,
             epoch: None,
         }
     }
 
-    fn lock(&self, id: &SessionId) -> Arc<tokio::sync::Mutex<()>> {
+    pub(crate) fn lock(&self, id: &SessionId) -> Arc<tokio::sync::Mutex<()>> {
         Arc::clone(self.locks.lock().entry(*id).or_default())
     }
 
     /// Stops the agent of this process's live attachment through its relay (so that attachment
     /// learns how it ended) and fences it on behalf of `generation`. The Pod is deleted after
     /// this either way; the relay stop is what lets the old attachment report its exit.
-    async fn retire_previous(&self, id: &SessionId, generation: Generation, grace: Duration) {
+    pub(crate) async fn retire_previous(&self, id: &SessionId, generation: Generation, grace: Duration) {
         let Some(live) = self.live.lock().remove(id) else {
             return;
         };
@@ -222,10 +350,11 @@ impl KubernetesRuntime {
 
     /// The session's anchor and record, if it has one. An object under the anchor's name that is
     /// not the session's own is refused, never adopted.
-    async fn load(&self, id: &SessionId) -> Result<Option<(Lease, SessionRecord)>> {
+    pub(crate) async fn load(&self, id: &SessionId) -> Result<Option<(Lease, SessionRecord)>> {
         let name = names::anchor(id);
         let Some(lease) = self
-            .leases
+            .leases()
+            .await?
             .get_opt(&name)
             .await
             .map_err(|e| api_error(&format!("reading session {id}"), e))?
@@ -244,7 +373,11 @@ impl KubernetesRuntime {
     }
 
     /// Writes `record` over the anchor, only if the anchor is still the one read.
-    async fn swap(&self, lease: &Lease, record: &SessionRecord) -> std::result::Result<Lease, Swap> {
+    pub(crate) async fn swap(
+        &self,
+        lease: &Lease,
+        record: &SessionRecord,
+    ) -> std::result::Result<Lease, Swap> {
         let mut next = lease.clone();
         next.metadata
             .annotations
@@ -253,12 +386,15 @@ impl KubernetesRuntime {
         let spec = next.spec.get_or_insert_with(LeaseSpec::default);
         spec.renew_time = Some(MicroTime(jiff_now()));
         match self
-            .leases
+            .leases()
+            .await
+            .map_err(Swap::Failed)?
             .replace(&lease.name_any(), &PostParams::default(), &next)
             .await
         {
             Ok(written) => Ok(written),
-            Err(error) if is_status(&error, 409) => Err(Swap::Lost),
+            // 404: the anchor was removed meanwhile (an expired closed record); a fresh read says so.
+            Err(error) if is_status(&error, 409) || is_status(&error, 404) => Err(Swap::Lost),
             Err(error) => Err(Swap::Failed(api_error(
                 &format!("updating session {}", record.id),
                 error,
@@ -268,7 +404,7 @@ impl KubernetesRuntime {
 
     /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
     /// with a fresh read. `change` returns `Ok(None)` when there is nothing to write.
-    async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(Lease, SessionRecord)>
+    pub(crate) async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(Lease, SessionRecord)>
     where
         F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
     {
@@ -291,9 +427,10 @@ impl KubernetesRuntime {
         })
     }
 
-    async fn profile(&self) -> Result<WorkerProfile> {
+    pub(crate) async fn profile(&self) -> Result<WorkerProfile> {
         let map = self
-            .profiles
+            .profiles()
+            .await?
             .get_opt(&self.profile)
             .await
             .map_err(|e| api_error(&format!("reading the worker profile {}", self.profile), e))?;
@@ -355,17 +492,25 @@ impl KubernetesRuntime {
                     }),
                     status: None,
                 };
-                let created = match self.claims.create(&PostParams::default(), &claim).await {
+                let created = match self.claims().await?.create(&PostParams::default(), &claim).await {
                     Ok(created) => created,
                     // A retried create finds its own claim; anything else under the name is foreign.
                     Err(error) if is_status(&error, 409) => {
                         let found = self
-                            .claims
+                            .claims()
+                            .await?
                             .get(&name)
                             .await
                             .map_err(|e| api_error(&format!("reading claim {name}"), e))?;
                         if !names::belongs_to(&found.metadata, id) {
                             return Err(foreign(id, "claim", &name));
+                        }
+                        if found.metadata.deletion_timestamp.is_some() {
+                            // An expired volume of the same name on its way out: never adopted.
+                            return Err(retry_later(
+                                id,
+                                &format!("the claim {name} is still being deleted"),
+                            ));
                         }
                         found
                     }
@@ -391,10 +536,11 @@ impl KubernetesRuntime {
     }
 
     /// The worker Pod, if one is there and it is the session's.
-    async fn worker(&self, id: &SessionId) -> Result<Option<Pod>> {
+    pub(crate) async fn worker(&self, id: &SessionId) -> Result<Option<Pod>> {
         let name = names::worker(id);
         let pod = self
-            .pods
+            .pods()
+            .await?
             .get_opt(&name)
             .await
             .map_err(|e| api_error(&format!("reading worker {name}"), e))?;
@@ -407,7 +553,12 @@ impl KubernetesRuntime {
     /// Deletes the worker Pod (that exact Pod: UID precondition) and waits until it is gone. A
     /// Pod newer than `generation` is left alone: it is a later attach's, which this call's
     /// record predates.
-    async fn stop_worker(&self, id: &SessionId, generation: Generation, grace: Option<u32>) -> Result<bool> {
+    pub(crate) async fn stop_worker(
+        &self,
+        id: &SessionId,
+        generation: Generation,
+        grace: Option<u32>,
+    ) -> Result<bool> {
         let Some(pod) = self.worker(id).await? else {
             return Ok(false);
         };
@@ -419,7 +570,7 @@ impl KubernetesRuntime {
         Ok(true)
     }
 
-    async fn delete_pod(&self, pod: &Pod, grace: Option<u32>) -> Result<()> {
+    pub(crate) async fn delete_pod(&self, pod: &Pod, grace: Option<u32>) -> Result<()> {
         let name = pod.name_any();
         let params = DeleteParams {
             grace_period_seconds: grace,
@@ -429,7 +580,7 @@ impl KubernetesRuntime {
             }),
             ..DeleteParams::default()
         };
-        match self.pods.delete(&name, &params).await {
+        match self.pods().await?.delete(&name, &params).await {
             Ok(_) => Ok(()),
             // Gone already, or replaced by another Pod of the same name (which is not this call's).
             Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
@@ -501,7 +652,7 @@ impl KubernetesRuntime {
                     }
                 }
             }
-            match self.pods.create(&PostParams::default(), &pod).await {
+            match self.pods().await?.create(&PostParams::default(), &pod).await {
                 Ok(_) => {
                     adopted = true;
                     break;
@@ -570,10 +721,10 @@ impl KubernetesRuntime {
         }
     }
 
-    fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {
+    async fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {
         match self.reach {
             Reach::Exec => Ok(Arc::new(ExecConnector::new(
-                self.pods.clone(),
+                self.pods().await?.clone(),
                 names::worker(id),
                 port,
             ))),
@@ -644,14 +795,23 @@ impl KubernetesRuntime {
                 operation: "attach",
             });
         }
-        let connector = self.connector(id, &pod, profile.relay_port)?;
+        let connector = self.connector(id, &pod, profile.relay_port).await?;
         let config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
         let client = RelayClient::new(config, connector);
         let (fence, trigger) = Fence::new(*id, generation);
         let attachment = client.attach(fence).await?;
+        let renewal = tokio::spawn(renew_while_live(
+            self.leases().await?.clone(),
+            *id,
+            attachment.control(),
+            trigger.clone(),
+            renew_every(profile.idle_ttl.or(self.housekeeping.idle_ttl)),
+        ))
+        .abort_handle();
         let live = Live {
             fence: trigger,
             control: attachment.control(),
+            renewal,
         };
         self.live.lock().insert(*id, live);
         Ok(attachment)
@@ -733,7 +893,7 @@ impl KubernetesRuntime {
     }
 
     /// The steps after a recorded close: compute, then storage, then the closed record.
-    async fn finish_close(&self, id: &SessionId, record: SessionRecord) -> Result<()> {
+    pub(crate) async fn finish_close(&self, id: &SessionId, record: SessionRecord) -> Result<()> {
         let Some(close) = record.close else {
             return Ok(());
         };
@@ -756,6 +916,7 @@ impl KubernetesRuntime {
             }
             let mut next = current.clone();
             next.phase = Phase::Session(SessionState::Closed);
+            next.closed_at = Some(now());
             next.close = next.close.map(|close| CloseRecord {
                 storage_done: true,
                 ..close
@@ -767,9 +928,10 @@ impl KubernetesRuntime {
     }
 
     /// Deletes a claim this runtime made: only the one with the recorded UID.
-    async fn delete_claim(&self, id: &SessionId, claim: &str, uid: Option<&str>) -> Result<()> {
+    pub(crate) async fn delete_claim(&self, id: &SessionId, claim: &str, uid: Option<&str>) -> Result<()> {
         let Some(found) = self
-            .claims
+            .claims()
+            .await?
             .get_opt(claim)
             .await
             .map_err(|e| api_error(&format!("reading claim {claim}"), e))?
@@ -787,7 +949,7 @@ impl KubernetesRuntime {
             }),
             ..DeleteParams::default()
         };
-        match self.claims.delete(claim, &params).await {
+        match self.claims().await?.delete(claim, &params).await {
             Ok(_) => Ok(()),
             Err(error) if is_status(&error, 404) => Ok(()),
             Err(error) => Err(api_error(&format!("deleting claim {claim}"), error)),
@@ -810,7 +972,7 @@ impl KubernetesRuntime {
                 if let Some(annotations) = anchor.metadata.annotations.as_mut() {
                     annotations.insert(names::RECORD.to_owned(), record.to_annotation());
                 }
-                match self.leases.create(&PostParams::default(), &anchor).await {
+                match self.leases().await?.create(&PostParams::default(), &anchor).await {
                     Ok(created) => {
                         let record = self.provision(&id, created, record).await?;
                         return Ok(SessionHandle::new(id, record.state(), record.generation, true));
@@ -836,8 +998,7 @@ impl KubernetesRuntime {
                 Phase::Session(SessionState::Closed) => {
                     // A new session under the same id: generations keep growing, and the new
                     // incarnation gets a volume of its own.
-                    let next =
-                        SessionRecord::new(id, digest.clone(), record.generation, record.incarnation + 1);
+                    let next = record.next_incarnation(digest.clone());
                     match self.swap(&lease, &next).await {
                         Ok(written) => {
                             let record = self.provision(&id, written, next).await?;
@@ -869,13 +1030,45 @@ impl KubernetesRuntime {
     }
 }
 
-fn jiff_now() -> k8s_openapi::jiff::Timestamp {
-    k8s_openapi::jiff::Timestamp::now()
+/// Renews the anchor's `renewTime` every `every` until the attachment is fenced or its worker
+/// ended. A merge patch of that one field: it never conflicts with a record update, and a record
+/// update never loses it (each one renews too).
+async fn renew_while_live(
+    leases: Api<Lease>,
+    id: SessionId,
+    control: Arc<dyn WorkerControl>,
+    fence: FenceTrigger,
+    every: Duration,
+) {
+    let name = names::anchor(&id);
+    loop {
+        tokio::time::sleep(every).await;
+        if fence.is_fenced() || !control.is_alive() {
+            return;
+        }
+        let patch = serde_json::json!({ "spec": { "renewTime": MicroTime(jiff_now()) } });
+        if let Err(error) = leases
+            .patch(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+        {
+            tracing::debug!(session = %id, "renewing the anchor failed (the next renewal retries): {error}");
+        }
+    }
 }
 
-/// A Pod that is not already being deleted (a reconcile pass does not count a delete twice).
-fn not_terminating(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
+impl Drop for KubernetesRuntime {
+    fn drop(&mut self) {
+        // The renewals stop with the runtime: its attachments no longer count as live.
+        self.live.lock().clear();
+    }
+}
+
+fn jiff_now() -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::now()
 }
 
 fn foreign(id: &SessionId, what: &str, name: &str) -> Error {
@@ -972,8 +1165,44 @@ impl SessionRuntime for KubernetesRuntime {
 }
 
 impl KubernetesRuntime {
-    pub(crate) fn pods(&self) -> &Api<Pod> {
-        &self.pods
+    /// The API handles, inferring the client from the environment on first use when the
+    /// builder was given none.
+    async fn apis(&self) -> Result<&Apis> {
+        self.apis
+            .get_or_try_init(|| async {
+                let config = kube::Config::infer().await.map_err(|error| {
+                    Error::backend(
+                        RUNTIME,
+                        false,
+                        "no Kubernetes client configuration (KUBECONFIG, ~/.kube/config or an in-cluster service account)",
+                        error,
+                    )
+                })?;
+                let client = Client::try_from(config)
+                    .map_err(|error| Error::backend(RUNTIME, false, "building the Kubernetes client", error))?;
+                Ok(Apis::new(client, &self.namespace))
+            })
+            .await
+    }
+
+    pub(crate) async fn pods(&self) -> Result<&Api<Pod>> {
+        Ok(&self.apis().await?.pods)
+    }
+
+    pub(crate) async fn leases(&self) -> Result<&Api<Lease>> {
+        Ok(&self.apis().await?.leases)
+    }
+
+    pub(crate) async fn claims(&self) -> Result<&Api<PersistentVolumeClaim>> {
+        Ok(&self.apis().await?.claims)
+    }
+
+    async fn profiles(&self) -> Result<&Api<ConfigMap>> {
+        Ok(&self.apis().await?.profiles)
+    }
+
+    pub(crate) fn namespace(&self) -> &str {
+        &self.namespace
     }
 
     pub(crate) fn installation(&self) -> &str {
@@ -982,10 +1211,11 @@ impl KubernetesRuntime {
 
     /// Every anchor of the installation that is its session's own, with its session id; its
     /// record may still be unreadable (a newer format, say).
-    async fn anchors(&self) -> Result<Vec<(SessionId, Lease)>> {
+    pub(crate) async fn anchors(&self) -> Result<Vec<(SessionId, Lease)>> {
         let params = ListParams::default().labels(&names::installation_selector(&self.installation));
         let anchors = self
-            .leases
+            .leases()
+            .await?
             .list(&params)
             .await
             .map_err(|e| api_error("listing sessions", e))?;
@@ -997,62 +1227,48 @@ impl KubernetesRuntime {
             })
             .collect())
     }
+}
 
-    /// Every session of the installation that has an anchor, readable or not: a worker whose
-    /// anchor this version cannot parse is not an orphan.
-    pub(crate) async fn anchor_ids(&self) -> Result<Vec<SessionId>> {
-        Ok(self.anchors().await?.into_iter().map(|(id, _)| id).collect())
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use session_runtime::config::SessionRuntimeConfig;
+
+    #[test]
+    fn a_section_without_its_table_names_the_table() {
+        let config = SessionRuntimeConfig::from_toml_document("[session_runtime]\ntype = \"kubernetes\"\n");
+        // The section's own validation may already refuse it; either way the table is named.
+        let error = match config {
+            Ok(config) => KubernetesRuntime::builder_from_config(&config)
+                .map(drop)
+                .unwrap_err(),
+            Err(error) => error,
+        };
+        assert!(
+            matches!(&error, Error::InvalidConfig { key, .. } if key.contains("kubernetes")),
+            "{error}"
+        );
     }
 
-    pub(crate) async fn reconcile_session(&self, id: &SessionId, report: &mut ReconcileReport) -> Result<()> {
-        let lock = self.lock(id);
-        let _held = lock.lock().await;
-        let Some((_, record)) = self.load(id).await? else {
-            return Ok(());
-        };
-        match record.state() {
-            SessionState::Closing => {
-                self.finish_close(id, record).await?;
-                report.finished_closes.push(*id);
-            }
-            SessionState::Running => {
-                if let Some(pod) = self.worker(id).await?.filter(not_terminating) {
-                    if names::pod_generation(&pod.metadata) < Some(record.generation) {
-                        self.delete_pod(&pod, Some(KILL_GRACE)).await?;
-                        report
-                            .killed_workers
-                            .push((*id, format!("pod/{}", pod.name_any())));
-                    }
-                }
-            }
-            _ => {
-                if let Some(pod) = self.worker(id).await?.filter(not_terminating) {
-                    self.retire_previous(id, record.generation + 1, Duration::ZERO)
-                        .await;
-                    self.delete_pod(&pod, Some(KILL_GRACE)).await?;
-                    report
-                        .killed_workers
-                        .push((*id, format!("pod/{}", pod.name_any())));
-                }
-                if let (Some(close), Volume::Owned { claim, uid }) = (record.close, &record.volume) {
-                    let expired = close.retention == Retention::Retain
-                        && close.retain_until.is_some_and(|until| until <= now());
-                    if expired {
-                        self.delete_claim(id, claim, uid.as_deref()).await?;
-                        self.update(id, |record| {
-                            let mut next = record.clone();
-                            next.close = next.close.map(|close| CloseRecord {
-                                retention: Retention::Delete,
-                                ..close
-                            });
-                            Ok(Some(next))
-                        })
-                        .await?;
-                        report.expired_storage.push(*id);
-                    }
-                }
-            }
-        }
-        Ok(())
+    #[test]
+    fn a_section_sets_installation_idle_ttl_and_retention() {
+        let config = SessionRuntimeConfig::from_toml_document(
+            "[session_runtime]\ntype = \"kubernetes\"\ninstallation = \"prod\"\nidle_ttl = \"0s\"\n\
+             [session_runtime.retention]\nended = \"retain\"\n\
+             [session_runtime.kubernetes]\nnamespace = \"sessions\"\nprofile = \"worker\"\nreach = \"exec\"\n",
+        )
+        .expect("a valid section");
+        let runtime = KubernetesRuntime::builder_from_config(&config)
+            .expect("a builder")
+            .build()
+            .expect("a runtime, with no API server contacted yet");
+        assert_eq!(runtime.installation(), "prod");
+        assert_eq!(runtime.housekeeping.idle_ttl, None, "0s turns idle suspends off");
+        assert_eq!(runtime.retention.ended, Retention::Retain);
+        assert_eq!(
+            (runtime.namespace.as_str(), runtime.profile.as_str()),
+            ("sessions", "worker")
+        );
+        assert_eq!(runtime.reach, Reach::Exec);
     }
 }

@@ -67,6 +67,7 @@ pub use identity::{SessionId, SessionIdentity};
 pub use retention::*;
 pub use runtime::{DynSessionRuntime, SessionRuntime};
 pub use state::{
-    Capabilities, CloseReason, CreateOptions, Generation, IsolationLevel, ReconcileReport, ResourceUsage,
-    SessionHandle, SessionState, SessionStatus, StorageState, SuspendReason, WorkerInfo, WorkspaceSeed,
+    Capabilities, CloseReason, CreateOptions, Generation, IsolationLevel, ReconcileAction, ReconcileReport,
+    ResourceUsage, SessionHandle, SessionState, SessionStatus, StorageState, SuspendReason, WorkerInfo,
+    WorkspaceSeed,
 };

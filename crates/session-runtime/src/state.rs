@@ -180,6 +180,28 @@ pub struct SessionStatus {
     pub storage_refs: Vec<String>,
     /// The running worker's resource limits and current usage, where the backend enforces limits.
     pub resources: Option<ResourceUsage>,
+    /// What the last `reconcile` pass did to this session, where the backend records it.
+    pub last_reconcile: Option<ReconcileAction>,
+}
+
+/// One thing a `reconcile` pass did to a session, as its status reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ReconcileAction {
+    /// When.
+    pub at: SystemTime,
+    /// What, in words for an operator (`suspended: idle for 31m`).
+    pub action: String,
+}
+
+impl ReconcileAction {
+    /// An action done at `at`.
+    pub fn new(at: SystemTime, action: impl Into<String>) -> Self {
+        Self {
+            at,
+            action: action.into(),
+        }
+    }
 }
 
 /// A worker's resource limits and what it uses now. Every field is optional: a backend reports
@@ -216,6 +238,7 @@ impl SessionStatus {
             close_reason: None,
             storage_refs: Vec::new(),
             resources: None,
+            last_reconcile: None,
         }
     }
 }
@@ -293,17 +316,24 @@ pub struct ReconcileReport {
     pub suspended_idle: Vec<SessionId>,
     /// Closed sessions whose retained storage expired and was deleted.
     pub expired_storage: Vec<SessionId>,
+    /// Closed sessions whose record itself expired and was removed (nothing of them was left).
+    pub expired_records: Vec<SessionId>,
+    /// Storage that no record names, reported for an operator and left in place (a backend
+    /// deletes it only when configured to, and then lists it under `expired_storage`).
+    pub orphaned_storage: Vec<(SessionId, String)>,
     /// Problems that did not stop the pass; the next pass retries them.
     pub errors: Vec<String>,
 }
 
 impl ReconcileReport {
-    /// Whether the pass found nothing to do and nothing went wrong.
+    /// Whether the pass found nothing to do and nothing went wrong. Reported orphaned storage
+    /// does not count: the pass leaves it alone, so every later pass reports it again.
     pub fn is_clean(&self) -> bool {
         self.killed_workers.is_empty()
             && self.finished_closes.is_empty()
             && self.suspended_idle.is_empty()
             && self.expired_storage.is_empty()
+            && self.expired_records.is_empty()
             && self.errors.is_empty()
     }
 }

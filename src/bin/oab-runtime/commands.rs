@@ -54,6 +54,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             println!("finished closes:   {}", report.finished_closes.len());
             println!("suspended (idle):  {}", report.suspended_idle.len());
             println!("expired storage:   {}", report.expired_storage.len());
+            println!("expired records:   {}", report.expired_records.len());
+            println!(
+                "orphaned storage:  {} (left in place)",
+                report.orphaned_storage.len()
+            );
+            for (id, what) in &report.orphaned_storage {
+                println!("  {id}: {what}");
+            }
             for error in &report.errors {
                 println!("error: {error}");
             }

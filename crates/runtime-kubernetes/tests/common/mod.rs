@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use runtime_kubernetes::profile::PROFILE_KEY;
-use runtime_kubernetes::KubernetesRuntime;
+use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 use session_runtime::config::{KubernetesConfig, Reach};
 use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
 use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
@@ -95,6 +95,18 @@ impl Drop for AdminConfigMap {
     }
 }
 
+/// A runtime builder for `installation` with the broker's identity, the profile and the reach.
+pub fn builder(
+    cluster: &TestCluster,
+    profile: &AdminConfigMap,
+    reach: Reach,
+    installation: &str,
+) -> KubernetesRuntimeBuilder {
+    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
+    config.reach = reach;
+    KubernetesRuntime::builder(cluster.broker(), config).installation(installation)
+}
+
 /// A runtime for `installation` with the broker's identity, the profile and the reach.
 pub fn runtime(
     cluster: &TestCluster,
@@ -102,11 +114,8 @@ pub fn runtime(
     reach: Reach,
     installation: &str,
 ) -> Arc<KubernetesRuntime> {
-    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
-    config.reach = reach;
     Arc::new(
-        KubernetesRuntime::builder(cluster.broker(), config)
-            .installation(installation)
+        builder(cluster, profile, reach, installation)
             .build()
             .expect("a runtime"),
     )
