@@ -58,3 +58,14 @@ fn compiled_in_follows_the_cargo_features() {
     assert_eq!(compiled_in(RuntimeKind::Kubernetes), cfg!(feature = "kubernetes"));
     assert_eq!(compiled_in(RuntimeKind::Agentcore), cfg!(feature = "agentcore"));
 }
+
+#[cfg(feature = "kubernetes")]
+#[test]
+fn a_kubernetes_section_builds_the_kubernetes_runtime_without_contacting_a_cluster() {
+    let config = SessionRuntimeConfig::from_toml_document(
+        "[session_runtime]\ntype = \"kubernetes\"\n[session_runtime.kubernetes]\nnamespace = \"s\"\nprofile = \"p\"\n",
+    )
+    .expect("the config parses");
+    let runtime = from_config(&config, &agent()).expect("a runtime; the client is inferred on first use");
+    assert_eq!(runtime.name(), "kubernetes");
+}

@@ -36,6 +36,8 @@ mod start;
 mod testing;
 
 pub use controller::{Controller, ControllerEvent};
+/// The kube-rs version this crate speaks, for building a [`kube::Client`] to hand it.
+pub use kube;
 pub use leader::{LeaderElection, Term};
 pub use runtime::{KubernetesRuntime, KubernetesRuntimeBuilder};
 

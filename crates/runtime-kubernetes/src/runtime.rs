@@ -143,6 +143,12 @@ impl std::fmt::Debug for KubernetesRuntimeBuilder {
 }
 
 impl KubernetesRuntimeBuilder {
+    /// The client to use instead of one inferred on first use.
+    pub fn client(mut self, client: Client) -> Self {
+        self.client = Some(client);
+        self
+    }
+
     /// The installation whose sessions this runtime serves (default `openab`).
     pub fn installation(mut self, installation: impl Into<String>) -> Self {
         self.installation = installation.into();

@@ -397,3 +397,31 @@ async fn a_fresh_namespace_is_gone_after_its_guard_drops() {
     })
     .await;
 }
+
+#[tokio::test]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn every_deploy_file_passes_a_server_side_dry_run() {
+    // The cluster applied the kustomization; files outside it (the controller) must pass too.
+    let _cluster = TestCluster::connect().await;
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes");
+    let mut files: Vec<_> = std::fs::read_dir(&deploy)
+        .expect("deploy/kubernetes")
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml") && !path.ends_with("kustomization.yaml"))
+        .collect();
+    files.sort();
+    assert!(files.iter().any(|f| f.ends_with("controller.yaml")), "{files:?}");
+    for file in &files {
+        let output = std::process::Command::new("kubectl")
+            .args(["apply", "--dry-run=server", "-f"])
+            .arg(file)
+            .output()
+            .expect("kubectl (scripts/cluster env puts it on PATH)");
+        assert!(
+            output.status.success(),
+            "{}: {}",
+            file.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}

@@ -71,6 +71,18 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
                 ExitCode::FAILURE
             })
         }
+        Command::Controller {
+            holder,
+            resync,
+            lease_duration,
+        } => {
+            let args = crate::controller::ControllerArgs {
+                holder,
+                resync,
+                lease_duration,
+            };
+            crate::controller::run(settings, args).await
+        }
         Command::TestAgent { args } => Ok(test_agent(&args)),
     }
 }

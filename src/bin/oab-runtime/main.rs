@@ -5,6 +5,7 @@
 //! and inspects and manages sessions (`ls`, `status`, `suspend`, `close`, `gc`).
 
 mod commands;
+mod controller;
 mod settings;
 mod verify;
 
@@ -79,6 +80,21 @@ enum Command {
     /// Reconcile: kill orphaned workers, finish interrupted closes, suspend idle sessions, expire
     /// retained storage.
     Gc,
+    /// Reconcile a Kubernetes installation continuously while holding its leader Lease (one
+    /// controller acts at a time; run two for a quick takeover). Needs `type = "kubernetes"` and a
+    /// build with the `kubernetes` feature. SIGTERM, SIGINT or SIGHUP gives the Lease up and exits.
+    Controller {
+        /// This candidate's name in the Lease (default: `$POD_NAME` or the host name, and the pid).
+        #[arg(long)]
+        holder: Option<String>,
+        /// How often a full pass runs while leading (idle, retention and orphan rules act at most
+        /// this late).
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        resync: std::time::Duration,
+        /// How long a term lasts without a renewal; a vanished leader is replaced after it.
+        #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+        lease_duration: std::time::Duration,
+    },
     /// Runs the bundled ACP test agent on stdio (used by `verify`).
     #[command(name = "__acp-test-agent", hide = true)]
     TestAgent {
