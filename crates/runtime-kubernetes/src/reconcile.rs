@@ -120,6 +120,13 @@ pub(crate) async fn session(
     let lock = runtime.lock(id);
     let _held = lock.lock().await;
     let worker = worker.filter(|pod| pod.metadata.deletion_timestamp.is_none());
+    if record.phase == Phase::Provisioning && is_old(&anchor.metadata, runtime) {
+        // A create whose broker went away before the storage was made (or recorded): finished
+        // here, so the claim it may have named is made and recorded, never left half-known.
+        runtime.provision(id, anchor.clone(), record).await?;
+        note(runtime, id, "finished an interrupted create".to_owned()).await;
+        return Ok(());
+    }
     match record.state() {
         SessionState::Closing => {
             runtime.finish_close(id, record).await?;

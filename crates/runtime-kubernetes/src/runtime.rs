@@ -451,7 +451,7 @@ impl KubernetesRuntime {
     }
 
     /// Makes the session's volume, per the profile, and records it; then the session is created.
-    async fn provision(
+    pub(crate) async fn provision(
         &self,
         id: &SessionId,
         mut lease: Lease,

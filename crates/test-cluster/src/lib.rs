@@ -26,6 +26,8 @@ use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
+pub mod faults;
+
 pub use k8s_openapi;
 pub use kube;
 
@@ -44,6 +46,7 @@ pub const TEST_NAMESPACE_LABEL: &str = "openab.dev/test-namespace";
 #[derive(Clone)]
 pub struct TestCluster {
     admin_config: Config,
+    broker_config: Config,
     admin: Client,
     broker: Client,
     sessions_namespace: String,
@@ -73,7 +76,8 @@ impl TestCluster {
         let broker_path = required_path("OPENAB_BROKER_KUBECONFIG");
         let admin_config = config_from(&admin_path).await;
         let admin = client_from(admin_config.clone(), &admin_path);
-        let broker = client_from(config_from(&broker_path).await, &broker_path);
+        let broker_config = config_from(&broker_path).await;
+        let broker = client_from(broker_config.clone(), &broker_path);
         if let Err(error) = admin.apiserver_version().await {
             panic!(
                 "the API server of {} does not answer ({error}); {HOW_TO_START}",
@@ -88,6 +92,7 @@ impl TestCluster {
         };
         TestCluster {
             admin_config,
+            broker_config,
             admin,
             broker,
             sessions_namespace: std::env::var("OPENAB_SESSIONS_NAMESPACE")
@@ -112,6 +117,12 @@ impl TestCluster {
     /// A client with exactly the broker's permissions: what the runtime under test must use.
     pub fn broker(&self) -> Client {
         self.broker.clone()
+    }
+
+    /// The broker client's configuration, for a client with layers of a test's own
+    /// ([`faults::Faults::client`]).
+    pub fn broker_config(&self) -> Config {
+        self.broker_config.clone()
     }
 
     /// The namespace of the deploy files, where sessions live (Pod Security "restricted").
