@@ -19,6 +19,11 @@ const BATCH_BYTES: usize = 256 * 1024;
 /// How long a closing writer may take to send its last frame.
 const CLOSE_PATIENCE: Duration = Duration::from_secs(5);
 
+/// How long a refused connection is read (and discarded) after the error frame went out, so
+/// that closing it sends a FIN: closing a socket with unread input sends a reset instead, and a
+/// reset can destroy the error frame in the peer's receive queue before the peer reads it.
+const LINGER: Duration = Duration::from_secs(2);
+
 enum Command {
     Pong(u64),
     Close(Refusal),
@@ -80,6 +85,7 @@ where
         command_rx,
     ));
     let refusal = read_loop(&inner, &mut reader, id, &superseded, &done, &commands).await;
+    let refused = refusal.is_some();
     match refusal {
         Some(refusal) => {
             tracing::info!(id, code = %refusal.0, message = %refusal.1, "closing a connection");
@@ -94,6 +100,19 @@ where
     }
     done.cancel();
     inner.disconnected(id);
+    if refused {
+        linger(reader.into_inner()).await;
+    }
+}
+
+/// Reads and discards what the peer still sends, until it closes or [`LINGER`] passes.
+async fn linger<R: AsyncRead + Unpin>(mut read_half: R) {
+    use tokio::io::AsyncReadExt;
+    let mut sink = vec![0u8; 16 * 1024];
+    let _ = tokio::time::timeout(LINGER, async {
+        while matches!(read_half.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
 }
 
 async fn read_loop<R: AsyncRead + Unpin>(
