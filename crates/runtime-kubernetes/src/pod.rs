@@ -26,7 +26,7 @@ use crate::reach::RELAY_BINARY;
 /// The uid and gid every worker runs as (the worker image's user).
 pub(crate) const WORKER_UID: i64 = 65532;
 /// Where the init container mounts the whole session volume to make its two directories.
-const PREPARE_MOUNT: &str = "/session";
+pub(crate) const PREPARE_MOUNT: &str = "/session";
 /// The session volume's directories: the workspace and HOME, mounted at the profile's paths.
 const WORKSPACE_DIR: &str = "workspace";
 const HOME_DIR: &str = "home";
@@ -51,16 +51,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     if let Some(labels) = metadata.labels.as_mut() {
         labels.insert(names::GENERATION.to_owned(), spec.generation.to_string());
     }
-    // Owned by the anchor, so a deleted anchor takes its Pod along. Not blockOwnerDeletion: that
-    // would need update on leases/finalizers, a right the broker does not need otherwise.
-    metadata.owner_references = Some(vec![OwnerReference {
-        api_version: "coordination.k8s.io/v1".to_owned(),
-        kind: "Lease".to_owned(),
-        name: names::anchor(spec.id),
-        uid: spec.anchor_uid.to_owned(),
-        controller: Some(true),
-        block_owner_deletion: None,
-    }]);
+    metadata.owner_references = Some(vec![owned_by_anchor(spec.id, spec.anchor_uid)]);
 
     let mut volumes = vec![
         Volume {
@@ -87,15 +78,9 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             ..Volume::default()
         },
     ];
-    // A borrowed claim is one volume for every session of the profile: each session gets a
-    // directory of its own on it, and its agent mounts only that (the init container alone sees
-    // the whole volume).
-    let base = match &profile.storage {
-        Storage::Borrowed { .. } => format!("{}/", spec.id),
-        _ => String::new(),
-    };
-    let workspace_dir = format!("{base}{WORKSPACE_DIR}");
-    let home_dir = format!("{base}{HOME_DIR}");
+    // The agent mounts only its session's directories; the init container alone sees the whole
+    // volume.
+    let (workspace_dir, home_dir) = session_dirs(profile, spec.id);
     let mut mounts = vec![
         VolumeMount {
             name: "session".to_owned(),
@@ -180,16 +165,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     ];
     command.extend(profile.agent.iter().cloned());
 
-    let security = SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".to_owned()]),
-            add: None,
-        }),
-        ..SecurityContext::default()
-    };
+    let security = restricted_container();
     // The kubelet would make a missing subPath as root, which the agent could not write: the
     // relay, as the worker user, makes both directories first.
     let prepare = Container {
@@ -262,22 +238,66 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
                 .max_lifetime
                 .map(|limit| i64::try_from(limit.as_secs()).unwrap_or(i64::MAX)),
             runtime_class_name: profile.runtime_class.clone(),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(WORKER_UID),
-                run_as_group: Some(WORKER_UID),
-                fs_group: Some(WORKER_UID),
-                fs_group_change_policy: Some("OnRootMismatch".to_owned()),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".to_owned(),
-                    localhost_profile: None,
-                }),
-                ..PodSecurityContext::default()
-            }),
+            security_context: Some(restricted_pod()),
             ..PodSpec::default()
         }),
         status: None,
     }
+}
+
+/// Owned by the anchor, so a deleted anchor takes it along. Not blockOwnerDeletion: that would
+/// need update on leases/finalizers, a right the broker does not need otherwise.
+pub(crate) fn owned_by_anchor(id: &SessionId, anchor_uid: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "coordination.k8s.io/v1".to_owned(),
+        kind: "Lease".to_owned(),
+        name: names::anchor(id),
+        uid: anchor_uid.to_owned(),
+        controller: Some(true),
+        block_owner_deletion: None,
+    }
+}
+
+/// Pod Security "restricted" for a container: no privilege escalation, no capabilities, a
+/// read-only root filesystem.
+pub(crate) fn restricted_container() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            add: None,
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// Pod Security "restricted" for a Pod: the worker user, its group owning the volumes, and the
+/// runtime's default seccomp profile.
+pub(crate) fn restricted_pod() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(WORKER_UID),
+        run_as_group: Some(WORKER_UID),
+        fs_group: Some(WORKER_UID),
+        fs_group_change_policy: Some("OnRootMismatch".to_owned()),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            localhost_profile: None,
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// Where a session's workspace and HOME live on its volume: a borrowed claim is one volume for
+/// every session of the profile, so each session gets a directory of its own on it.
+pub(crate) fn session_dirs(profile: &WorkerProfile, id: &SessionId) -> (String, String) {
+    let base = match &profile.storage {
+        Storage::Borrowed { .. } => format!("{id}/"),
+        _ => String::new(),
+    };
+    (format!("{base}{WORKSPACE_DIR}"), format!("{base}{HOME_DIR}"))
 }
 
 fn plain_env(name: &str, value: String) -> EnvVar {

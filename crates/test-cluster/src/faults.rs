@@ -13,6 +13,8 @@ use kube::client::{Body, ClientBuilder, DynBody};
 use parking_lot::Mutex;
 use tower::{BoxError, Layer, Service};
 
+pub use http::Method;
+
 /// Answers `times` requests of `method` whose path and query contain `target` with `status`,
 /// after letting the first `skip` of them through.
 #[derive(Debug, Clone)]

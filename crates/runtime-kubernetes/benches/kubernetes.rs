@@ -1,0 +1,278 @@
+//! The Kubernetes runtime's figures, against the test cluster (`scripts/cluster up`, then
+//! `eval "$(scripts/cluster env)"` and `cargo bench -p runtime-kubernetes --bench kubernetes`):
+//!
+//! 1. API requests of one lifecycle (create, attach, suspend, attach, close), counted by kind.
+//! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
+//!    Pod of the same image from create to Ready, in the same run (median of 20 each).
+//! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
+//!    API requests (`OAB_BENCH_ANCHORS` changes the number).
+//!
+//! Without a cluster it says so and exits 0: a benchmark is run by hand, never a gate.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use runtime_kubernetes::profile::PROFILE_KEY;
+use runtime_kubernetes::KubernetesRuntime;
+use session_runtime::config::{KubernetesConfig, Reach};
+use session_runtime::testing::AcpClient;
+use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason};
+use test_cluster::faults::Faults;
+use test_cluster::k8s_openapi::api::coordination::v1::Lease;
+use test_cluster::k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use test_cluster::kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use test_cluster::kube::Api;
+use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster};
+
+const WORKER: &str = r#"
+image = "openab.dev/worker:test"
+image_pull_policy = "Never"
+agent = ["/usr/local/bin/acp-test-agent"]
+termination_grace = "1s"
+
+[storage]
+kind = "ephemeral"
+"#;
+
+const SAMPLES: usize = 20;
+
+fn main() {
+    if std::env::var_os("OPENAB_BROKER_KUBECONFIG").is_none() {
+        eprintln!("kubernetes bench: no cluster in the environment; start one with scripts/cluster up and eval \"$(scripts/cluster env)\"");
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a Tokio runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let cluster = TestCluster::connect().await;
+    let installation = unique_name("bench");
+    let maps: Api<ConfigMap> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let profile = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(installation.clone()),
+            ..ObjectMeta::default()
+        },
+        data: Some([(PROFILE_KEY.to_owned(), WORKER.to_owned())].into()),
+        ..ConfigMap::default()
+    };
+    maps.create(&PostParams::default(), &profile)
+        .await
+        .expect("the profile");
+    let faults = Faults::new();
+    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), &installation);
+    config.reach = Reach::PodIp;
+    let runtime = KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
+        .installation(&installation)
+        .build()
+        .expect("runtime");
+
+    requests_per_lifecycle(&runtime, &faults, &installation).await;
+    attach_against_a_bare_pod(&cluster, &runtime, &installation).await;
+    reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
+    let _ = maps.delete(&installation, &DeleteParams::default()).await;
+}
+
+fn kinds(requests: &[(test_cluster::faults::Method, String)]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for (method, path) in requests {
+        let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+        // .../namespaces/<ns>/<resource>[/<name>[/<subresource>]]
+        let at = segments
+            .iter()
+            .position(|s| *s == "namespaces")
+            .map_or(0, |i| i + 2);
+        let resource = segments.get(at).copied().unwrap_or("?");
+        let verb = match (method.as_str(), segments.len() > at + 1) {
+            ("GET", false) => "list",
+            ("GET", true) => "get",
+            ("POST", _) if segments.last() == Some(&"exec") => "exec",
+            ("POST", _) => "create",
+            ("PUT", _) => "update",
+            ("PATCH", _) => "patch",
+            ("DELETE", _) => "delete",
+            (other, _) => other,
+        };
+        *counts.entry(format!("{verb} {resource}")).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn writes(counts: &BTreeMap<String, usize>) -> usize {
+    counts
+        .iter()
+        .filter(|(kind, _)| {
+            ["create", "update", "patch", "delete"]
+                .iter()
+                .any(|w| kind.starts_with(w))
+        })
+        .map(|(_, n)| n)
+        .sum()
+}
+
+async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, installation: &str) {
+    let identity = SessionIdentity::new(installation, "agent", "bench", "lifecycle").expect("identity");
+    let id = identity.id();
+    println!("API requests of one lifecycle (ephemeral storage, Pod IP reach):");
+    println!("  {:<10} {:>5} {:>7}  by kind", "phase", "all", "writes");
+    let mut total = 0;
+    let mut total_writes = 0;
+    for phase in ["create", "attach", "suspend", "attach", "close"] {
+        faults.clear_requests();
+        match phase {
+            "create" => drop(
+                runtime
+                    .create(&identity, &CreateOptions::new())
+                    .await
+                    .expect("create"),
+            ),
+            "attach" => {
+                let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+                client.initialize().await.expect("initialize");
+            }
+            "suspend" => runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend"),
+            _ => runtime.close(&id, CloseReason::Reset).await.expect("close"),
+        }
+        let counts = kinds(&faults.requests());
+        let all: usize = counts.values().sum();
+        total += all;
+        total_writes += writes(&counts);
+        println!("  {phase:<10} {all:>5} {:>7}  {counts:?}", writes(&counts));
+    }
+    println!("  {:<10} {total:>5} {total_writes:>7}", "total");
+    println!(
+        "  (polls while a Pod starts or stops are GETs every 200 ms: their number follows the node's speed)"
+    );
+}
+
+fn median(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
+    samples.sort();
+    (samples[0], samples[samples.len() / 2], samples[samples.len() - 1])
+}
+
+async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRuntime, installation: &str) {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let mut bare = Vec::new();
+    let mut attach = Vec::new();
+    // Interleaved, so a machine that slows down mid-run slows both alike.
+    for sample in 0..SAMPLES {
+        let name = format!("{installation}-bare-{sample}");
+        let pod = restricted_pod(&name, "openab.dev/worker:test", &["/bin/sleep", "3600"]);
+        let started = Instant::now();
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .expect("a bare Pod");
+        wait_until("the bare Pod to be Ready", Duration::from_secs(120), || async {
+            let pod = pods.get(&name).await.ok()?;
+            let ready = pod
+                .status?
+                .conditions?
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            ready.then_some(())
+        })
+        .await;
+        bare.push(started.elapsed());
+        let _ = pods
+            .delete(
+                &name,
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                },
+            )
+            .await;
+
+        let identity = SessionIdentity::new(installation, "agent", "bench", format!("attach-{sample}"))
+            .expect("identity");
+        let id = identity.id();
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        let started = Instant::now();
+        let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+        client.initialize().await.expect("the first ACP reply");
+        attach.push(started.elapsed());
+        drop(client);
+        runtime.close(&id, CloseReason::Reset).await.expect("close");
+    }
+    let (bare_min, bare_median, bare_max) = median(bare);
+    let (attach_min, attach_median, attach_max) = median(attach);
+    println!("attach of a new session to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
+    println!("  bare Pod      min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}");
+    println!("  attach        min {attach_min:>9.1?}  median {attach_median:>9.1?}  max {attach_max:>9.1?}");
+    println!(
+        "  ratio of medians: {:.2}x",
+        attach_median.as_secs_f64() / bare_median.as_secs_f64()
+    );
+}
+
+/// This process's CPU time (user and system), from /proc.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+        .sum();
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10)
+}
+
+async fn reconcile_over_many_anchors(
+    cluster: &TestCluster,
+    runtime: &KubernetesRuntime,
+    faults: &Faults,
+    installation: &str,
+) {
+    let anchors: usize = std::env::var("OAB_BENCH_ANCHORS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10_000);
+    let started = Instant::now();
+    let mut created = 0;
+    let mut pending = Vec::new();
+    for n in 0..anchors {
+        let identity =
+            SessionIdentity::new(installation, "agent", "bench", format!("many-{n}")).expect("identity");
+        pending.push(async move { runtime.create(&identity, &CreateOptions::new()).await });
+        if pending.len() == 32 || n + 1 == anchors {
+            for result in futures_util::future::join_all(pending.drain(..)).await {
+                result.expect("create");
+                created += 1;
+            }
+        }
+    }
+    println!(
+        "made {created} sessions (anchors, ephemeral storage) in {:.1?}",
+        started.elapsed()
+    );
+    faults.clear_requests();
+    let cpu = cpu_time();
+    let wall = Instant::now();
+    let report = runtime.reconcile().await.expect("reconcile");
+    let wall = wall.elapsed();
+    let cpu = cpu_time().saturating_sub(cpu);
+    let counts = kinds(&faults.requests());
+    println!("one reconcile pass over {created} anchors:");
+    println!(
+        "  wall {wall:.2?}, CPU of this process {cpu:.2?}, API requests {} {counts:?}, clean: {}",
+        counts.values().sum::<usize>(),
+        report.is_clean()
+    );
+    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let _ = leases
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("openab.dev/installation={installation}")),
+        )
+        .await;
+}
