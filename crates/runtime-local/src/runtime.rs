@@ -14,7 +14,7 @@ use rustix::process::Signal;
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
     ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
-    SessionState, SessionStatus, StorageState, SuspendReason,
+    SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure,
 };
 
 use crate::layout::{self, SessionDirs};
@@ -241,6 +241,17 @@ impl LocalRuntime {
                 });
             }
         }
+        // A missing agent fails here, alike in every mode, before anything changes.
+        let agent = &self.settings.agent;
+        if let Some(error) = self
+            .sandbox
+            .missing_program(&agent.program, &self.agent_path_var(), &dirs)
+        {
+            return Err(Error::WorkerFailed {
+                id,
+                cause: WorkerFailure::Spawn(format!("{}: {error}", agent.program)),
+            });
+        }
         self.own(held, id, &dirs, Some(&record))?;
         self.stop_worker(
             held,
@@ -351,10 +362,7 @@ impl LocalRuntime {
         let mut env: Vec<(String, String)> = vec![
             ("HOME".into(), home.into()),
             ("TMPDIR".into(), tmp.into()),
-            (
-                "PATH".into(),
-                std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
-            ),
+            ("PATH".into(), broker_path_var()),
             // A session with a user of its own runs as `agent` (the sandbox's passwd says so).
             (
                 "USER".into(),
@@ -384,6 +392,16 @@ impl LocalRuntime {
             marker_value(&self.settings.scope, id, generation),
         ));
         env
+    }
+
+    /// The `PATH` the agent gets (see [`environment`](Self::environment)).
+    fn agent_path_var(&self) -> String {
+        self.settings
+            .agent
+            .env
+            .get("PATH")
+            .cloned()
+            .unwrap_or_else(broker_path_var)
     }
 
     async fn suspend_locked(&self, id: SessionId, held: &mut Held, reason: SuspendReason) -> Result<()> {
@@ -628,6 +646,11 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The broker's `PATH`, the agent's unless configured otherwise.
+fn broker_path_var() -> String {
+    std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into())
 }
 
 /// Whether no process is left in the process group `pgid`.

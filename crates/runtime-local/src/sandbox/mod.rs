@@ -364,6 +364,57 @@ impl Sandbox {
         }
     }
 
+    /// Why the agent `program` cannot be found where the worker will look for it: as a path
+    /// (relative ones from the working directory), or by name on `path_var` (the worker's `PATH`).
+    /// `None` when it may be there. This only catches what is certainly missing, before anything
+    /// starts, so that a missing agent fails the same way (`ENOENT`) in every mode: run by
+    /// bubblewrap or Landlock, the failed exec would otherwise be reported by a helper inside the
+    /// sandbox (after the worker started), and Landlock turns a search of `PATH` through
+    /// directories it hides into `EACCES`.
+    ///
+    /// With bubblewrap, a path inside the sandbox's own directories or read-only inputs is
+    /// checked at its host path.
+    pub(crate) fn missing_program(
+        &self,
+        program: &str,
+        path_var: &str,
+        dirs: &SessionDirs,
+    ) -> Option<std::io::Error> {
+        let exists = |candidate: &Path| {
+            let candidate = match self.kind() {
+                SandboxKind::Bubblewrap => self.host_path_of(candidate, dirs),
+                SandboxKind::None | SandboxKind::Landlock => candidate.to_path_buf(),
+            };
+            std::fs::metadata(candidate).is_ok_and(|meta| !meta.is_dir())
+        };
+        let in_workspace = |path: &Path| match self.kind() {
+            SandboxKind::Bubblewrap => Path::new(SANDBOX_WORKSPACE).join(path),
+            SandboxKind::None | SandboxKind::Landlock => dirs.workspace.join(path),
+        };
+        let found = if program.contains('/') {
+            exists(&in_workspace(Path::new(program)))
+        } else {
+            std::env::split_paths(path_var).any(|dir| exists(&in_workspace(&dir.join(program))))
+        };
+        (!found).then(|| std::io::Error::from_raw_os_error(rustix::io::Errno::NOENT.raw_os_error()))
+    }
+
+    /// The host path behind `path` as a bubblewrap sandbox shows it: its own directories and
+    /// read-only inputs are bound from elsewhere; everything else it shows is the host's.
+    fn host_path_of(&self, path: &Path, dirs: &SessionDirs) -> PathBuf {
+        let own = [
+            (Path::new(SANDBOX_WORKSPACE), dirs.workspace.as_path()),
+            (Path::new(SANDBOX_HOME), dirs.home.as_path()),
+            (Path::new(SANDBOX_STATE), dirs.state.as_path()),
+            (Path::new(SANDBOX_TMP), dirs.tmp.as_path()),
+        ];
+        let readonly = self.inner.readonly.iter().map(|m| (m.target(), m.host()));
+        own.into_iter()
+            .chain(readonly)
+            .find_map(|(shown, host)| Some(host.join(path.strip_prefix(shown).ok()?)))
+            .unwrap_or_else(|| path.to_path_buf())
+    }
+
     /// Whether sessions get a uid of their own: the broker runs as root and the mode isolates.
     fn allocates_uids(&self) -> bool {
         self.inner.layout.root && self.kind() != SandboxKind::None
