@@ -220,3 +220,153 @@ fn run_suspends_at_stdin_eof_even_when_the_agent_ignores_eof() {
         "the session is suspended, its worker stopped: {listing}"
     );
 }
+
+/// `oab-runtime run` for `thread` with `agent` as its argv, its three standard streams piped.
+fn spawn_run(config: &std::path::Path, thread: &str, agent: &[&str]) -> std::process::Child {
+    oab_runtime()
+        .arg("--config")
+        .arg(config)
+        .args(["run", "--platform", "discord", "--thread", thread, "--"])
+        .args(agent)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run")
+}
+
+/// Waits for `run` to end by itself; a hang (a minute) fails the test.
+fn wait_for_end(mut run: std::process::Child, why: &str) -> std::process::Output {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while run.try_wait().expect("run status").is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = run.kill();
+            panic!("{why}: run did not end: {:?}", run.wait_with_output());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    run.wait_with_output().expect("run output")
+}
+
+/// The state of the only session in `ls`.
+fn only_session_state(config: &std::path::Path) -> String {
+    let listing = ls(config);
+    let rows: Vec<&str> = listing.lines().skip(1).collect();
+    assert_eq!(rows.len(), 1, "{listing}");
+    rows[0]
+        .split_whitespace()
+        .nth(1)
+        .expect("state column")
+        .to_owned()
+}
+
+#[test]
+fn run_ends_with_its_agent_and_exits_with_its_status() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    // stdin stays open: `run` must not wait for it once its agent is gone.
+    let run = spawn_run(&config, "exit-3", &["/bin/sh", "-c", "echo bye; exit 3"]);
+    let output = wait_for_end(run, "the agent exited");
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "bye\n");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("exited with code 3"),
+        "{output:?}"
+    );
+    assert_eq!(only_session_state(&config), "suspended");
+
+    let run = spawn_run(&config, "exit-0", &["/bin/sh", "-c", "exit 0"]);
+    let output = wait_for_end(run, "the agent exited cleanly");
+    assert_eq!(output.status.code(), Some(0), "a clean end is 0: {output:?}");
+}
+
+#[test]
+fn run_of_a_missing_agent_fails_with_enoent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    for agent in ["no-such-agent-on-path", "/no/such/agent"] {
+        let run = spawn_run(&config, agent, &[agent]);
+        let output = wait_for_end(run, "the agent cannot start");
+        assert_eq!(output.status.code(), Some(127), "{output:?}");
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("No such file or directory"),
+            "{output:?}"
+        );
+    }
+}
+
+#[test]
+fn run_passes_every_byte_of_stdin_to_the_agent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let mut run = spawn_run(&config, "bytes", &["/bin/cat"]);
+    // Not UTF-8 in the middle: the lines after it must arrive too.
+    let input: &[u8] = b"{\"first\":1}\n{\"bad\":\"\xff\xfe\"}\n{\"last\":3}\n";
+    {
+        use std::io::Write;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin.write_all(input).expect("write");
+    }
+    let output = wait_for_end(run, "cat ends at stdin EOF");
+    assert_eq!(output.stdout, input, "{output:?}");
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+}
+
+/// The pid in `run`'s `attached: worker pid:<pid>@<start>/g<n>` line, once it was printed.
+fn attached_worker(stderr: &mut impl std::io::BufRead) -> (u32, u64) {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("stderr") > 0,
+            "run ended before attaching"
+        );
+        if let Some(rest) = line.split("worker pid:").nth(1) {
+            let (pid, rest) = rest.split_once('@').expect("pid@start");
+            let start = rest.split('/').next().expect("start time");
+            return (pid.parse().expect("pid"), start.parse().expect("start time"));
+        }
+    }
+}
+
+/// Whether the process `pid` with start time `start` still runs (not a zombie).
+fn still_runs(pid: u32, start: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let fields: Vec<&str> = stat.rsplit_once(") ").expect("stat").1.split(' ').collect();
+    fields[0] != "Z" && fields[19].parse::<u64>().ok() == Some(start)
+}
+
+#[test]
+fn run_suspends_on_term_hup_and_int_and_leaves_no_agent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let agent = env!("CARGO_BIN_EXE_oab-runtime");
+    for (signal, number) in [("TERM", 15), ("HUP", 1), ("INT", 2)] {
+        let mut run = spawn_run(
+            &config,
+            "signals",
+            &[agent, "__acp-test-agent", "--ignore-stdin-eof"],
+        );
+        let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+        let (pid, start) = attached_worker(&mut stderr);
+        let killed = Command::new("kill")
+            .args([format!("-{signal}"), run.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(killed.success());
+        // stdin stays open: the signal alone must end `run`.
+        let output = wait_for_end(run, signal);
+        assert_eq!(
+            output.status.code(),
+            Some(128 + number),
+            "SIG{signal}: {output:?}"
+        );
+        assert_eq!(only_session_state(&config), "suspended", "SIG{signal}");
+        assert!(
+            !still_runs(pid, start),
+            "SIG{signal} left the agent {pid} running"
+        );
+    }
+}

@@ -5,6 +5,7 @@
 //! and inspects and manages sessions (`ls`, `status`, `suspend`, `close`, `gc`).
 
 mod commands;
+mod run;
 mod settings;
 mod verify;
 
@@ -37,8 +38,9 @@ enum Command {
         root: Option<PathBuf>,
     },
     /// Create (or reuse) the session of a thread, attach, and pipe the agent's ACP stdio to this
-    /// terminal. When stdin ends, the session is suspended once the agent's output ends or falls
-    /// quiet for two seconds.
+    /// terminal. Ends, always suspending the session first, when the agent ends (exit status: the
+    /// agent's), when stdin has ended and the agent's output falls quiet for two seconds (0), or on
+    /// SIGTERM, SIGHUP or SIGINT (128 + the signal). 127 if the agent cannot be started.
     Run {
         /// The platform part of the identity, e.g. `discord`.
         #[arg(long)]
