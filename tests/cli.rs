@@ -370,3 +370,60 @@ fn run_suspends_on_term_hup_and_int_and_leaves_no_agent() {
         );
     }
 }
+
+#[test]
+fn reading_commands_write_nothing_and_bad_roots_are_refused_untouched() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, root) = plain_config(dir.path());
+    let listing = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(listing.status.success(), "{listing:?}");
+    let status = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["status", "aaaaaaaaaaaaaaaaaaaa"])
+        .output()
+        .expect("status");
+    assert!(!status.status.success(), "{status:?}");
+    assert!(!root.exists(), "ls and status must not create the root");
+
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    for (bad, why) in [
+        (std::path::Path::new("/"), "filesystem root"),
+        (std::path::Path::new("/tmp"), "system directory"),
+        (shared.as_path(), "every user may write"),
+    ] {
+        let before = std::fs::metadata(bad).expect("meta").permissions().mode();
+        let config = write_config(
+            dir.path(),
+            &format!("[session_runtime.local]\nsandbox = \"none\"\nroot = {bad:?}\n"),
+        );
+        for command in [
+            &["ls"][..],
+            &["run", "--platform", "p", "--thread", "t", "--", "/bin/true"],
+        ] {
+            let output = oab_runtime()
+                .arg("--config")
+                .arg(&config)
+                .args(command)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("run");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{bad:?} {command:?}: {output:?}");
+            assert!(
+                stderr.contains("session_runtime.local.root") && stderr.contains(why),
+                "{bad:?} {command:?}: {stderr}"
+            );
+        }
+        let after = std::fs::metadata(bad).expect("meta").permissions().mode();
+        assert_eq!(before, after, "the mode of {bad:?} must not change");
+    }
+}

@@ -49,6 +49,7 @@ mod layout;
 mod process;
 mod reconcile;
 mod record;
+mod root;
 mod runtime;
 mod sandbox;
 mod seed;

@@ -16,6 +16,9 @@ use crate::RUNTIME;
 pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
     let root = &runtime.settings.root;
+    if std::fs::symlink_metadata(root).is_err() {
+        return Ok(report); // no root, no sessions: nothing to repair, and nothing is created
+    }
     // One pass at a time per root, across broker processes; the others find nothing to do.
     // Never through a link, never truncating: one planted as the lock would otherwise have this
     // create or empty a file anywhere on the host.
@@ -46,7 +49,7 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
 /// Workers of this installation and root that no record accounts for: their session is gone, or its record
 /// names another generation, or says nothing should run.
 fn kill_unrecorded_workers(runtime: &LocalRuntime, report: &mut ReconcileReport) {
-    let prefix = format!("{WORKER_MARKER}={}:", runtime.settings.scope);
+    let prefix = format!("{WORKER_MARKER}={}:", runtime.scope());
     for (pid, rest) in process::with_environment_prefix(&prefix) {
         let Some((id, generation)) = rest.split_once(':') else {
             continue;

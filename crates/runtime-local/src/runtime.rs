@@ -5,7 +5,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -39,6 +39,8 @@ pub struct LocalRuntime {
     pub(crate) settings: LocalSettings,
     pub(crate) sandbox: Sandbox,
     pub(crate) broker: ProcessRef,
+    /// See [`LocalRuntime::scope`].
+    scope: OnceLock<String>,
     slots: Mutex<HashMap<SessionId, Arc<Slot>>>,
 }
 
@@ -86,8 +88,27 @@ impl LocalRuntime {
             settings,
             sandbox,
             broker: ProcessRef::current(),
+            scope: OnceLock::new(),
             slots: Mutex::default(),
         }
+    }
+
+    /// `<installation>@<root device>.<root inode>`: which workers are this runtime's. Two
+    /// runtimes of one installation with different roots never touch each other's workers.
+    /// Fixed once the root exists; before, it matches no worker (none can have started).
+    pub(crate) fn scope(&self) -> String {
+        if let Some(scope) = self.scope.get() {
+            return scope.clone();
+        }
+        match crate::root::scope_of(&self.settings.root, &self.settings.installation) {
+            Some(scope) => self.scope.get_or_init(|| scope).clone(),
+            None => format!("{}@no-root", self.settings.installation),
+        }
+    }
+
+    /// Whether the root exists: without one there are no sessions to read or repair.
+    fn has_root(&self) -> bool {
+        fs::symlink_metadata(&self.settings.root).is_ok()
     }
 
     fn slot(&self, id: &SessionId) -> Arc<Slot> {
@@ -168,7 +189,7 @@ impl LocalRuntime {
             .worker
             .filter(|w| own_leader.is_none() || w.process != own_leader)
         {
-            kill_recorded(&self.settings.scope, &record.id, &worker).await;
+            kill_recorded(&self.scope(), &record.id, &worker).await;
         }
         // The leader's exit does not mean its tree is gone: a sandbox's inner processes run in
         // a session of their own and die (by `--die-with-parent`) only after bubblewrap exits,
@@ -183,7 +204,7 @@ impl LocalRuntime {
         let plain_and_gone = self.sandbox.kind() == SandboxKind::None
             && own_leader.is_some_and(|leader| group_is_empty(leader.pid));
         if had_worker && !plain_and_gone {
-            kill_leftovers(&self.settings.scope, &record.id).await;
+            kill_leftovers(&self.scope(), &record.id).await;
         }
         // A cgroup can only be removed once it is empty.
         if let Some(limits) = limits {
@@ -387,10 +408,7 @@ impl LocalRuntime {
                 env.push((key.clone(), value));
             }
         }
-        env.push((
-            WORKER_MARKER.into(),
-            marker_value(&self.settings.scope, id, generation),
-        ));
+        env.push((WORKER_MARKER.into(), marker_value(&self.scope(), id, generation)));
         env
     }
 
@@ -584,6 +602,7 @@ impl LocalRuntime {
     ) -> Result<SessionRecord> {
         let id = identity.id();
         let dirs = self.dirs(&id);
+        crate::root::ensure(&self.settings.root)?;
         let adopted = match fs::create_dir(&dirs.base) {
             Ok(()) => false,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -808,6 +827,9 @@ impl SessionRuntime for LocalRuntime {
     }
 
     async fn list(&self) -> Result<Vec<SessionStatus>> {
+        if !self.has_root() {
+            return Ok(Vec::new());
+        }
         let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
         let mut ids: Vec<SessionId> = entries
             .flatten()
@@ -843,6 +865,9 @@ impl SessionRuntime for LocalRuntime {
 impl LocalRuntime {
     /// Sessions with live storage under the root.
     pub(crate) fn live_ids(&self) -> Result<Vec<SessionId>> {
+        if !self.has_root() {
+            return Ok(Vec::new());
+        }
         let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
         Ok(entries
             .flatten()

@@ -16,9 +16,6 @@ use crate::sandbox::Sandbox;
 pub(crate) struct LocalSettings {
     pub(crate) root: PathBuf,
     pub(crate) installation: String,
-    /// `<installation>@<root device>.<root inode>`: which workers are this runtime's. Two
-    /// runtimes of one installation with different roots never touch each other's workers.
-    pub(crate) scope: String,
     pub(crate) agent: AgentCommand,
     pub(crate) retention: RetentionPolicy,
     pub(crate) idle_ttl: Option<Duration>,
@@ -131,12 +128,15 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Validates the configuration, picks the sandbox and prepares the root.
+    /// Validates the configuration and picks the sandbox. Writes nothing: the root is created
+    /// by the first [`create`](session_runtime::SessionRuntime::create) (mode 0711); a root
+    /// that exists is used as it is, never changed.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] naming the key for a bad installation, a relative root, an empty
-    /// agent command, or a sandbox that cannot work here (with how to fix it);
-    /// [`Error::Backend`] if the root cannot be created.
+    /// [`Error::InvalidConfig`] naming the key for a bad installation, an empty agent command, a
+    /// sandbox that cannot work here (with how to fix it), or a root that is relative, `/`, a
+    /// system directory, writable by every user or owned by another user (saying which);
+    /// [`Error::Backend`] if the root cannot be inspected.
     pub fn build(self) -> Result<LocalRuntime> {
         let invalid = |key: &str, reason: String| Error::InvalidConfig {
             key: key.into(),
@@ -171,7 +171,8 @@ impl LocalRuntimeBuilder {
             }
         }
         let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
-        let scope = prepare_root(&root, &self.installation)?;
+        // Checked, not created: reading sessions must not write; `create` makes the root.
+        crate::root::check(&root)?;
         if sandbox.isolation() == IsolationLevel::None {
             tracing::warn!(
                 root = %root.display(),
@@ -183,7 +184,6 @@ impl LocalRuntimeBuilder {
         let settings = LocalSettings {
             root,
             installation: self.installation,
-            scope,
             agent: self.agent,
             retention: self.retention,
             idle_ttl: self.idle_ttl,
@@ -204,15 +204,4 @@ fn default_root() -> Option<PathBuf> {
         .filter(|p| p.is_absolute())
         .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".local/state")))?;
     Some(state.join("openab/sessions"))
-}
-
-/// Creates the root, traversable but not listable by others (0711): sessions reach their own
-/// directory by name only. Returns the runtime's scope (see [`LocalSettings::scope`]).
-fn prepare_root(root: &Path, installation: &str) -> Result<String> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let fail = |e| Error::backend(crate::RUNTIME, false, format!("preparing {}", root.display()), e);
-    std::fs::create_dir_all(root).map_err(fail)?;
-    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(fail)?;
-    let meta = std::fs::metadata(root).map_err(fail)?;
-    Ok(format!("{installation}@{}.{}", meta.dev(), meta.ino()))
 }

@@ -474,13 +474,36 @@ impl Sandbox {
     /// directories (workspace, home, state, tmp) mode 0700 and, with a `uid`, owned by it
     /// (recursively, without following links, the first time: e.g. a copied HOME template); the
     /// session's base directory 0700 (with a `uid`: 0710, group `uid`, so the agent can reach its
-    /// directories in Landlock mode but not list the base or read the record); the parent `root`
-    /// 0711 (traversable, not listable).
+    /// directories in Landlock mode but not list the base or read the record). The root is not
+    /// changed (it may not be the runtime's to change).
     ///
     /// # Errors
     ///
-    /// [`Error::Backend`] if a directory cannot be changed.
+    /// [`Error::Backend`] if a directory cannot be changed, or (not retryable) if Landlock would
+    /// run the agent as the session's uid but the root does not let other users pass (no
+    /// `o+x`), so the agent could not reach its own directories.
     pub(crate) fn prepare_storage(&self, dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
+        if let (SandboxKind::Landlock, Some(_), Some(root)) = (self.kind(), uid, dirs.base.parent()) {
+            use std::os::unix::fs::MetadataExt;
+            let mode = std::fs::metadata(root)
+                .map_err(|e| {
+                    Error::backend(crate::RUNTIME, true, format!("inspecting {}", root.display()), e)
+                })?
+                .mode();
+            if mode & 0o001 == 0 {
+                return Err(Error::Backend {
+                    runtime: crate::RUNTIME,
+                    retryable: false,
+                    message: format!(
+                        "the session root {} does not let other users pass (mode {:o}), so a Landlock \
+                         session's own user cannot reach its directories; allow it (chmod o+x, e.g. 0711)",
+                        root.display(),
+                        mode & 0o7777
+                    ),
+                    source: None,
+                });
+            }
+        }
         storage::prepare(dirs, uid)
     }
 

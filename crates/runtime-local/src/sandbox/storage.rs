@@ -26,9 +26,6 @@ fn chmod(path: &Path, mode: u32) -> Result<(), Error> {
 
 /// See [`Sandbox::prepare_storage`](super::Sandbox::prepare_storage).
 pub(super) fn prepare(dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
-    if let Some(root) = dirs.base.parent() {
-        chmod(root, 0o711)?;
-    }
     match uid {
         Some(uid) => {
             std::os::unix::fs::chown(&dirs.base, None, Some(uid))
