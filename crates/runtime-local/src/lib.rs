@@ -45,6 +45,7 @@
 //! `reconcile`, sandboxed ones die with the broker). Replay on re-attach: no (re-attaching starts a
 //! new generation; the broker uses `session/load`).
 
+mod errors;
 mod layout;
 mod process;
 mod reconcile;
@@ -58,6 +59,7 @@ mod settings;
 mod testing;
 mod worker;
 
+pub(crate) use errors::backend_error;
 pub use runtime::LocalRuntime;
 pub use settings::LocalRuntimeBuilder;
 pub(crate) use settings::LocalSettings;

@@ -5,13 +5,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::time::SystemTime;
 
 use rustix::process::Signal;
-use session_runtime::{Error, ReconcileReport, Result, SessionId, SessionState, StorageState};
+use session_runtime::{ReconcileReport, Result, SessionId, SessionState, StorageState};
 
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence};
 use crate::runtime::{LocalRuntime, WORKER_MARKER};
-use crate::RUNTIME;
 
 pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
@@ -28,11 +27,11 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
         .write(true)
         .custom_flags(record::no_follow())
         .open(root.join(".reconcile.lock"))
-        .map_err(|e| Error::backend(RUNTIME, true, "opening the reconcile lock", e))?;
+        .map_err(|e| crate::backend_error(true, "opening the reconcile lock", e))?;
     match guard.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => return Ok(report),
-        Err(fs::TryLockError::Error(e)) => return Err(Error::backend(RUNTIME, true, "locking reconcile", e)),
+        Err(fs::TryLockError::Error(e)) => return Err(crate::backend_error(true, "locking reconcile", e)),
     }
     for id in runtime.live_ids()? {
         if let Err(error) = runtime.reconcile_session(id, &mut report).await {

@@ -79,7 +79,7 @@ fn refused(root: &Path, why: impl std::fmt::Display) -> Error {
 }
 
 fn io_error(what: String, error: io::Error) -> Error {
-    Error::backend(crate::RUNTIME, false, what, error)
+    crate::backend_error(false, what, error)
 }
 
 /// `path` with `.` and `..` resolved and, as far as it exists, symbolic links too: where the

@@ -79,7 +79,7 @@ impl Drop for OwnerLock {
 }
 
 fn storage_error(what: &str, error: io::Error) -> Error {
-    Error::backend(RUNTIME, true, what, error)
+    crate::backend_error(true, what, error)
 }
 
 impl LocalRuntime {
@@ -246,12 +246,7 @@ impl LocalRuntime {
         // each must be the session's own directory, not a link planted to lead elsewhere.
         for dir in dirs.agent_dirs() {
             let plain = layout::plain_dir(dir).map_err(|e| {
-                Error::backend(
-                    RUNTIME,
-                    false,
-                    format!("session {id} storage was tampered with"),
-                    e,
-                )
+                crate::backend_error(false, format!("session {id} storage was tampered with"), e)
             })?;
             if !plain {
                 return Err(Error::Backend {

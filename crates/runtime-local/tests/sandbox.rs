@@ -22,6 +22,10 @@ use session_runtime::{Error, IsolationLevel, SessionId, SessionIdentity};
 // `crate::RUNTIME`, as the sandbox module expects.
 use runtime_local::RUNTIME;
 
+// `crate::backend_error`, as the sandbox module expects.
+#[path = "../src/errors.rs"]
+mod errors;
+use errors::backend_error;
 #[allow(dead_code)]
 #[path = "../src/layout.rs"]
 mod layout;

@@ -145,7 +145,7 @@ fn cgroup_error(limits: &ResourceLimits, what: String, error: io::Error) -> Erro
         io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
             unusable(limits, &format!("{what}: {error}"))
         }
-        _ => Error::backend(crate::RUNTIME, true, what, error),
+        _ => crate::backend_error(true, what, error),
     }
 }
 
@@ -649,8 +649,7 @@ impl LimitsHandle {
                         std::thread::sleep(Duration::from_millis(50));
                     }
                     Err(e) => {
-                        return Err(Error::backend(
-                            crate::RUNTIME,
+                        return Err(crate::backend_error(
                             true,
                             format!("removing cgroup {}", group.dir.display()),
                             e,

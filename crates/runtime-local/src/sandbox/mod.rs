@@ -486,9 +486,7 @@ impl Sandbox {
         if let (SandboxKind::Landlock, Some(_), Some(root)) = (self.kind(), uid, dirs.base.parent()) {
             use std::os::unix::fs::MetadataExt;
             let mode = std::fs::metadata(root)
-                .map_err(|e| {
-                    Error::backend(crate::RUNTIME, true, format!("inspecting {}", root.display()), e)
-                })?
+                .map_err(|e| crate::backend_error(true, format!("inspecting {}", root.display()), e))?
                 .mode();
             if mode & 0o001 == 0 {
                 return Err(Error::Backend {

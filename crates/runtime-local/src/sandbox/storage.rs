@@ -16,7 +16,7 @@ const PASSWD_FILE: &str = "sandbox-passwd";
 const GROUP_FILE: &str = "sandbox-group";
 
 fn storage_error(what: String, error: io::Error) -> Error {
-    Error::backend(crate::RUNTIME, true, what, error)
+    crate::backend_error(true, what, error)
 }
 
 fn chmod(path: &Path, mode: u32) -> Result<(), Error> {
