@@ -427,3 +427,45 @@ fn reading_commands_write_nothing_and_bad_roots_are_refused_untouched() {
         assert_eq!(before, after, "the mode of {bad:?} must not change");
     }
 }
+
+#[test]
+fn closing_a_session_that_never_existed_says_so() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let close = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["close", "aaaaaaaaaaaaaaaaaaaa", "--reason", "ended"])
+        .output()
+        .expect("close");
+    let stdout = String::from_utf8_lossy(&close.stdout);
+    assert!(close.status.success(), "closing is idempotent: {close:?}");
+    assert!(stdout.contains("nothing to close"), "{stdout}");
+    assert!(!stdout.contains("closed "), "{stdout}");
+}
+
+#[test]
+fn errors_show_their_os_cause() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").expect("write");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            file.join("sessions")
+        ),
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "p", "--thread", "t", "--", "/bin/true"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("Not a directory (os error 20)"),
+        "{output:?}"
+    );
+}

@@ -36,9 +36,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             Ok(ExitCode::SUCCESS)
         }
         Command::Close { id, reason } => {
-            runtime(&settings, None)?
-                .close(&session_id(&id)?, close_reason(reason))
-                .await?;
+            let runtime = runtime(&settings, None)?;
+            let id = session_id(&id)?;
+            // Closing is idempotent, so an unknown id is no error; but it is not a close either.
+            if let Err(Error::NotFound { .. }) = runtime.status(&id).await {
+                println!("nothing to close: there is no session {id} (it never existed here, or its storage is already gone)");
+                return Ok(ExitCode::SUCCESS);
+            }
+            runtime.close(&id, close_reason(reason)).await?;
             println!("closed {id}");
             Ok(ExitCode::SUCCESS)
         }

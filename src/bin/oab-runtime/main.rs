@@ -70,7 +70,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = SuspendArg::Idle)]
         reason: SuspendArg,
     },
-    /// End a session and apply the retention policy for the reason.
+    /// End a session and apply the retention policy for the reason. A session that does not exist
+    /// is reported as such ("nothing to close"), with exit status 0: closing is idempotent.
     Close {
         /// The session id.
         id: String,
@@ -131,8 +132,22 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::dispatch(cli)) {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("oab-runtime: {error}");
+            eprintln!("oab-runtime: {}", with_causes(error.as_ref()));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `error` and every cause in its chain that its message does not already show.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        let shown = inner.to_string();
+        if !text.contains(&shown) {
+            text = format!("{text}: {shown}");
+        }
+        cause = inner.source();
+    }
+    text
 }
