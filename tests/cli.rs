@@ -469,3 +469,23 @@ fn errors_show_their_os_cause() {
         "{output:?}"
     );
 }
+
+#[test]
+fn a_grace_without_end_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nsandbox = \"none\"\nterminate_grace = \"100000000y\"\n",
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("session_runtime.local.terminate_grace"),
+        "{output:?}"
+    );
+}

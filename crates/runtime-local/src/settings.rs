@@ -110,7 +110,8 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// How long an agent gets between SIGTERM and SIGKILL.
+    /// How long an agent gets between SIGTERM and SIGKILL; at most
+    /// [`LocalConfig::MAX_TERMINATE_GRACE`] (checked in [`build`](Self::build)).
     pub fn terminate_grace(mut self, grace: Duration) -> Self {
         self.local.terminate_grace = grace;
         self
@@ -133,7 +134,8 @@ impl LocalRuntimeBuilder {
     /// that exists is used as it is, never changed.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] naming the key for a bad installation, an empty agent command, a
+    /// [`Error::InvalidConfig`] naming the key for a bad installation, a grace, idle TTL or
+    /// retention time above its documented maximum, an empty agent command, a
     /// sandbox that cannot work here (with how to fix it), or a root that is relative, `/`, a
     /// system directory, writable by every user or owned by another user (saying which);
     /// [`Error::Backend`] if the root cannot be inspected.
@@ -144,6 +146,43 @@ impl LocalRuntimeBuilder {
         };
         SessionIdentity::new(self.installation.as_str(), "probe", "probe", "probe")
             .map_err(|e| invalid("session_runtime.installation", e.to_string()))?;
+        // The builder's setters bypass the configuration file's checks: the same bounds apply.
+        let too_long = |key: &str, value: Duration, max: Duration| {
+            invalid(
+                key,
+                format!(
+                    "{value:?} is longer than the most allowed, {max:?}; stopping and expiring sessions must end"
+                ),
+            )
+        };
+        if self.local.terminate_grace > LocalConfig::MAX_TERMINATE_GRACE {
+            return Err(too_long(
+                "session_runtime.local.terminate_grace",
+                self.local.terminate_grace,
+                LocalConfig::MAX_TERMINATE_GRACE,
+            ));
+        }
+        if let Some(ttl) = self
+            .idle_ttl
+            .filter(|ttl| *ttl > SessionRuntimeConfig::MAX_IDLE_TTL)
+        {
+            return Err(too_long(
+                "session_runtime.idle_ttl",
+                ttl,
+                SessionRuntimeConfig::MAX_IDLE_TTL,
+            ));
+        }
+        if let Some(keep) = self
+            .retention
+            .retain_for
+            .filter(|keep| *keep > RetentionPolicy::MAX_RETAIN_FOR)
+        {
+            return Err(too_long(
+                "session_runtime.retention.retain_for",
+                keep,
+                RetentionPolicy::MAX_RETAIN_FOR,
+            ));
+        }
         if self.agent.program.trim().is_empty() {
             return Err(invalid("agent.command", "the agent command is empty".into()));
         }
@@ -204,4 +243,48 @@ fn default_root() -> Option<PathBuf> {
         .filter(|p| p.is_absolute())
         .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".local/state")))?;
     Some(state.join("openab/sessions"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graces_and_ttls_set_on_the_builder_are_bounded_too() {
+        let root = tempfile::tempdir().expect("root");
+        let builder = || {
+            LocalRuntime::builder(AgentCommand::new("agent"))
+                .root(root.path())
+                .sandbox(SandboxMode::None)
+        };
+        let forever = Duration::from_secs(100_000_000 * 365 * 24 * 3600);
+        let mut keep_forever = RetentionPolicy::default();
+        keep_forever.retain_for = Some(forever);
+        for (built, key) in [
+            (
+                builder().terminate_grace(forever).build(),
+                "session_runtime.local.terminate_grace",
+            ),
+            (
+                builder().idle_ttl(Some(forever)).build(),
+                "session_runtime.idle_ttl",
+            ),
+            (
+                builder().retention(keep_forever).build(),
+                "session_runtime.retention.retain_for",
+            ),
+        ] {
+            match built {
+                Err(Error::InvalidConfig { key: got, reason }) => {
+                    assert_eq!(got, key, "{reason}");
+                    assert!(reason.contains("longer than the most allowed"), "{reason}");
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        builder()
+            .terminate_grace(LocalConfig::MAX_TERMINATE_GRACE)
+            .build()
+            .expect("the maximum itself is allowed");
+    }
 }

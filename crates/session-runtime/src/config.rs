@@ -90,7 +90,8 @@ pub struct SessionRuntimeConfig {
     pub installation: String,
     /// How long a session's worker may sit idle before `reconcile` suspends it (storage is kept).
     /// Default 30 minutes ([`SessionRuntimeConfig::DEFAULT_IDLE_TTL`]). A zero duration (`"0"`,
-    /// `"0s"`) is `None`: idle workers are never suspended by the runtime.
+    /// `"0s"`) is `None`: idle workers are never suspended by the runtime. At most
+    /// [`SessionRuntimeConfig::MAX_IDLE_TTL`].
     #[serde(with = "idle_ttl")]
     pub idle_ttl: Option<Duration>,
     /// What happens to a closed session's storage: the `[session_runtime.retention]` table.
@@ -129,6 +130,9 @@ impl SessionRuntimeConfig {
 
     /// The default [`idle_ttl`](Self::idle_ttl): 30 minutes.
     pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+
+    /// The longest [`idle_ttl`](Self::idle_ttl): 365 days (`"0"` is the way to say never).
+    pub const MAX_IDLE_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
     /// Reads the `[session_runtime]` section of a whole OpenAB configuration file and validates it.
     ///
@@ -202,6 +206,22 @@ impl SessionRuntimeConfig {
                     self.runtime
                 ),
             ));
+        }
+        if let Some(ttl) = self.idle_ttl {
+            check_at_most(
+                "idle_ttl",
+                ttl,
+                Self::MAX_IDLE_TTL,
+                "; \"0\" never suspends for idleness",
+            )?;
+        }
+        if let Some(keep) = self.retention.retain_for {
+            check_at_most(
+                "retention.retain_for",
+                keep,
+                RetentionPolicy::MAX_RETAIN_FOR,
+                "; leave it out to keep retained storage until an operator removes it",
+            )?;
         }
         self.local.validate()?;
         if let Some(kubernetes) = &self.kubernetes {
@@ -280,7 +300,8 @@ pub struct LocalConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<ResourceLimits>,
     /// How long an agent may take to exit after SIGTERM before it is killed with SIGKILL.
-    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once.
+    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once; at
+    /// most [`LocalConfig::MAX_TERMINATE_GRACE`].
     #[serde(with = "serde_duration")]
     pub terminate_grace: Duration,
 }
@@ -303,8 +324,19 @@ impl LocalConfig {
     /// The default [`terminate_grace`](Self::terminate_grace): 5 seconds.
     pub const DEFAULT_TERMINATE_GRACE: Duration = Duration::from_secs(5);
 
-    /// Checks paths, mounts, limits and their agreement with the sandbox mode.
+    /// The longest [`terminate_grace`](Self::terminate_grace): 10 minutes. Stopping a session
+    /// (suspend, close, a signal to `oab-runtime run`) waits this long for an agent that ignores
+    /// SIGTERM, so it must end.
+    pub const MAX_TERMINATE_GRACE: Duration = Duration::from_secs(10 * 60);
+
+    /// Checks paths, mounts, limits, the grace and their agreement with the sandbox mode.
     fn validate(&self) -> Result<()> {
+        check_at_most(
+            "local.terminate_grace",
+            self.terminate_grace,
+            Self::MAX_TERMINATE_GRACE,
+            "",
+        )?;
         if let Some(root) = &self.root {
             check_absolute("local.root", root)?;
         }
@@ -587,8 +619,9 @@ pub struct KubernetesConfig {
     /// How the broker reaches a worker's relay. Default [`Reach::PodIp`].
     #[serde(default)]
     pub reach: Reach,
-    /// How long a worker may take to become ready before the start fails. More than zero.
-    /// Default 120 seconds ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
+    /// How long a worker may take to become ready before the start fails. More than zero, at
+    /// most [`KubernetesConfig::MAX_START_TIMEOUT`]. Default 120 seconds
+    /// ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
     #[serde(default = "KubernetesConfig::default_start_timeout", with = "serde_duration")]
     pub start_timeout: Duration,
 }
@@ -596,6 +629,9 @@ pub struct KubernetesConfig {
 impl KubernetesConfig {
     /// The default [`start_timeout`](Self::start_timeout): 120 seconds.
     pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// The longest [`start_timeout`](Self::start_timeout): 1 hour.
+    pub const MAX_START_TIMEOUT: Duration = Duration::from_secs(3600);
 
     /// Settings for `namespace` and `profile`, with every other key at its default.
     pub fn new(namespace: impl Into<String>, profile: impl Into<String>) -> Self {
@@ -632,6 +668,12 @@ impl KubernetesConfig {
                 "must be more than zero, e.g. \"120s\"",
             ));
         }
+        check_at_most(
+            "kubernetes.start_timeout",
+            self.start_timeout,
+            Self::MAX_START_TIMEOUT,
+            "",
+        )?;
         Ok(())
     }
 }
@@ -844,6 +886,22 @@ fn check_absolute(key: &str, path: &Path) -> Result<()> {
 }
 
 /// An [`Error::InvalidConfig`] for `key`, given relative to the section (`local.root`).
+/// An [`Error::InvalidConfig`] for `key` if `duration` is longer than `max` (`hint` is appended
+/// to the reason).
+fn check_at_most(key: &str, duration: Duration, max: Duration, hint: &str) -> Result<()> {
+    if duration <= max {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        format!(
+            "{} is longer than the most allowed, {}{hint}",
+            values::format_duration(duration),
+            values::format_duration(max)
+        ),
+    ))
+}
+
 fn invalid(key: &str, reason: impl Into<String>) -> Error {
     Error::InvalidConfig {
         key: format!("{SECTION_NAME}.{key}"),
