@@ -489,3 +489,23 @@ fn a_grace_without_end_is_refused_naming_the_key() {
         "{output:?}"
     );
 }
+
+#[test]
+fn a_cpu_limit_the_kernel_cannot_represent_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nsandbox = \"none\"\n[session_runtime.local.limits]\ncpu = 1e308\n",
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("session_runtime.local.limits.cpu"),
+        "{output:?}"
+    );
+}

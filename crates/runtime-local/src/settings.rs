@@ -104,7 +104,8 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Per-session resource limits.
+    /// Per-session resource limits (checked in [`build`](Self::build), as
+    /// [`ResourceLimits::validate`] does).
     pub fn limits(mut self, limits: ResourceLimits) -> Self {
         self.local.limits = Some(limits);
         self
@@ -182,6 +183,9 @@ impl LocalRuntimeBuilder {
                 keep,
                 RetentionPolicy::MAX_RETAIN_FOR,
             ));
+        }
+        if let Some(limits) = &self.local.limits {
+            limits.validate()?;
         }
         if self.agent.program.trim().is_empty() {
             return Err(invalid("agent.command", "the agent command is empty".into()));
@@ -286,5 +290,21 @@ mod tests {
             .terminate_grace(LocalConfig::MAX_TERMINATE_GRACE)
             .build()
             .expect("the maximum itself is allowed");
+    }
+
+    #[test]
+    fn limits_set_on_the_builder_are_checked_too() {
+        let root = tempfile::tempdir().expect("root");
+        let mut huge = ResourceLimits::default();
+        huge.cpu = Some(1e308);
+        let built = LocalRuntime::builder(AgentCommand::new("agent"))
+            .root(root.path())
+            .sandbox(SandboxMode::None)
+            .limits(huge)
+            .build();
+        match built {
+            Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "session_runtime.local.limits.cpu"),
+            other => panic!("{other:?}"),
+        }
     }
 }

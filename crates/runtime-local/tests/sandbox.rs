@@ -1175,6 +1175,11 @@ fn cgroup_v2_limits_are_written_where_delegated() {
     child.wait().expect("reap");
     assert_eq!(cpu_quota_us(0.001), 1000, "the kernel's minimum quota");
     assert_eq!(cpu_quota_us(2.0), 200_000);
+    assert_eq!(
+        cpu_quota_us(1e308),
+        (1 << 44) - 1,
+        "a huge limit never becomes the minimum"
+    );
 }
 
 #[test]

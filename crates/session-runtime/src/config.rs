@@ -579,19 +579,61 @@ pub struct ResourceLimits {
 }
 
 impl ResourceLimits {
-    /// Checks the ranges.
-    fn validate(&self) -> Result<()> {
-        if self.memory == Some(0) {
-            return Err(invalid("local.limits.memory", "must be more than zero"));
+    /// The smallest [`memory`](Self::memory) limit: one 4 KiB page.
+    pub const MIN_MEMORY: u64 = 4096;
+    /// The largest [`memory`](Self::memory) limit the kernel keeps as a limit (`i64::MAX`
+    /// bytes; above it cgroups silently mean "unlimited").
+    pub const MAX_MEMORY: u64 = i64::MAX as u64;
+    /// The largest [`pids`](Self::pids) limit: the kernel's `PID_MAX_LIMIT` (2^22); `pids.max`
+    /// refuses more.
+    pub const MAX_PIDS: u32 = 1 << 22;
+    /// The smallest [`cpu`](Self::cpu) limit: 0.01 cores, the kernel's minimum CFS quota of
+    /// 1 ms per 100 ms period.
+    pub const MIN_CPU: f64 = 0.01;
+    /// The largest [`cpu`](Self::cpu) limit: the kernel's largest CFS quota (2^44 - 1 µs) per
+    /// 100 ms period, about 175.9 million cores.
+    pub const MAX_CPU: f64 = 175_921_860.0;
+
+    /// Checks that every limit is one the kernel can represent: [`MIN_MEMORY`](Self::MIN_MEMORY)
+    /// to [`MAX_MEMORY`](Self::MAX_MEMORY) bytes, 1 to [`MAX_PIDS`](Self::MAX_PIDS) processes,
+    /// [`MIN_CPU`](Self::MIN_CPU) to [`MAX_CPU`](Self::MAX_CPU) cores. A value outside is refused
+    /// rather than rounded, clamped or wrapped into something else.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the key (`session_runtime.local.limits.cpu`, ...) and the
+    /// allowed range.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(memory) = self.memory {
+            if !(Self::MIN_MEMORY..=Self::MAX_MEMORY).contains(&memory) {
+                return Err(invalid(
+                    "local.limits.memory",
+                    format!(
+                        "must be {} to {} bytes, e.g. \"512Mi\" or \"2Gi\", found {memory}",
+                        Self::MIN_MEMORY,
+                        Self::MAX_MEMORY
+                    ),
+                ));
+            }
         }
-        if self.pids == Some(0) {
-            return Err(invalid("local.limits.pids", "must be at least 1"));
+        if let Some(pids) = self.pids {
+            if !(1..=Self::MAX_PIDS).contains(&pids) {
+                return Err(invalid(
+                    "local.limits.pids",
+                    format!("must be 1 to {}, found {pids}", Self::MAX_PIDS),
+                ));
+            }
         }
         if let Some(cpu) = self.cpu {
-            if !(cpu.is_finite() && cpu > 0.0) {
+            // `contains` is false for NaN too.
+            if !(Self::MIN_CPU..=Self::MAX_CPU).contains(&cpu) {
                 return Err(invalid(
                     "local.limits.cpu",
-                    format!("must be a number of cores more than zero, e.g. 0.5 or 2, found {cpu}"),
+                    format!(
+                        "must be a number of cores from {} to {}, e.g. 0.5 or 2, found {cpu}",
+                        Self::MIN_CPU,
+                        Self::MAX_CPU
+                    ),
                 ));
             }
         }

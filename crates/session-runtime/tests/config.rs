@@ -672,3 +672,31 @@ fn every_grace_and_timeout_is_bounded() {
         }
     }
 }
+
+#[test]
+fn limits_the_kernel_cannot_represent_are_refused() {
+    for (body, key) in [
+        ("cpu = 1e308", "session_runtime.local.limits.cpu"),
+        ("cpu = 0.001", "session_runtime.local.limits.cpu"),
+        ("cpu = 175921861.0", "session_runtime.local.limits.cpu"),
+        ("pids = 4194305", "session_runtime.local.limits.pids"),
+        // 2^63 bytes: one above i64::MAX, which cgroups would read as "unlimited".
+        ("memory = \"8192Pi\"", "session_runtime.local.limits.memory"),
+        ("memory = 1", "session_runtime.local.limits.memory"),
+    ] {
+        let reason = section_error(&format!("[local.limits]\n{body}"), key);
+        assert!(reason.contains("must be"), "{body}: {reason}");
+    }
+    for body in [
+        "cpu = 0.01",
+        "cpu = 175921860.0",
+        "pids = 4194304",
+        "memory = \"8Ei\"",
+    ] {
+        let section = format!("[local.limits]\n{body}");
+        if let Err(error) = SessionRuntimeConfig::from_toml_section(&section) {
+            // "8Ei" is one byte above i64::MAX: refused as well, for the same reason.
+            assert!(body.contains("8Ei"), "{body}: {error}");
+        }
+    }
+}

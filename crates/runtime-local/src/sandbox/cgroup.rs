@@ -511,15 +511,21 @@ fn write_limits(group: &Group, limits: &ResourceLimits) -> io::Result<()> {
     Ok(())
 }
 
-/// The CFS quota per [`CPU_PERIOD_US`] for `cores` (at least the kernel's minimum of 1 ms).
+/// The kernel's smallest CFS quota, in microseconds.
+const MIN_CPU_QUOTA_US: u64 = 1000;
+/// The kernel's largest CFS quota, in microseconds.
+const MAX_CPU_QUOTA_US: u64 = (1 << 44) - 1;
+
+/// The CFS quota per [`CPU_PERIOD_US`] for `cores`, within what the kernel accepts. `cores` is
+/// validated ([`ResourceLimits::validate`]) to need no clamping; the clamp only keeps a value
+/// that slipped through from turning into a different limit than the nearest one (never the
+/// minimum for a huge value).
 pub(crate) fn cpu_quota_us(cores: f64) -> u64 {
     let quota = (cores * CPU_PERIOD_US as f64).round();
-    if quota.is_finite() && quota >= 1000.0 {
-        // In range: `cores` was validated finite and positive, and quotas beyond u64 are absurd.
-        quota.min(u64::MAX as f64) as u64
-    } else {
-        1000
+    if quota.is_nan() {
+        return MIN_CPU_QUOTA_US;
     }
+    quota.clamp(MIN_CPU_QUOTA_US as f64, MAX_CPU_QUOTA_US as f64) as u64
 }
 
 /// Whether `pid` is gone or on its way out: a zombie, or past releasing its memory (its
