@@ -223,10 +223,10 @@ pub(crate) fn ensure(root: &Path) -> Result<()> {
     check(root)
 }
 
-/// `<installation>@<device>.<inode>` of `root`, if it exists (see `LocalRuntime::scope`).
-pub(crate) fn scope_of(root: &Path, installation: &str) -> Option<String> {
+/// `<device>.<inode>` of `root`, if it exists (see `LocalRuntime::root_tag`).
+pub(crate) fn tag_of(root: &Path) -> Option<String> {
     let meta = std::fs::metadata(root).ok()?;
-    Some(format!("{installation}@{}.{}", meta.dev(), meta.ino()))
+    Some(format!("{}.{}", meta.dev(), meta.ino()))
 }
 
 #[cfg(test)]

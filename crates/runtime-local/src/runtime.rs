@@ -24,6 +24,7 @@ use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
+use session_runtime::config::ResourceLimits;
 
 /// The environment variable every worker carries: `<scope>:<session id>:<generation>`, where the
 /// scope names the installation and the storage root (see `LocalSettings::scope`).
@@ -39,8 +40,8 @@ pub struct LocalRuntime {
     pub(crate) settings: LocalSettings,
     pub(crate) sandbox: Sandbox,
     pub(crate) broker: ProcessRef,
-    /// See [`LocalRuntime::scope`].
-    scope: OnceLock<String>,
+    /// See [`LocalRuntime::root_tag`].
+    root_tag: OnceLock<String>,
     slots: Mutex<HashMap<SessionId, Arc<Slot>>>,
 }
 
@@ -88,7 +89,7 @@ impl LocalRuntime {
             settings,
             sandbox,
             broker: ProcessRef::current(),
-            scope: OnceLock::new(),
+            root_tag: OnceLock::new(),
             slots: Mutex::default(),
         }
     }
@@ -97,12 +98,19 @@ impl LocalRuntime {
     /// runtimes of one installation with different roots never touch each other's workers.
     /// Fixed once the root exists; before, it matches no worker (none can have started).
     pub(crate) fn scope(&self) -> String {
-        if let Some(scope) = self.scope.get() {
-            return scope.clone();
+        format!("{}@{}", self.settings.installation, self.root_tag())
+    }
+
+    /// `<root device>.<root inode>`: which root this runtime serves (in its scope and its cgroup
+    /// names). Fixed once the root exists; before, it matches nothing (no worker can have
+    /// started).
+    pub(crate) fn root_tag(&self) -> String {
+        if let Some(tag) = self.root_tag.get() {
+            return tag.clone();
         }
-        match crate::root::scope_of(&self.settings.root, &self.settings.installation) {
-            Some(scope) => self.scope.get_or_init(|| scope).clone(),
-            None => format!("{}@no-root", self.settings.installation),
+        match crate::root::tag_of(&self.settings.root) {
+            Some(tag) => self.root_tag.get_or_init(|| tag).clone(),
+            None => "no-root".to_owned(),
         }
     }
 
@@ -206,19 +214,19 @@ impl LocalRuntime {
         if had_worker && !plain_and_gone {
             kill_leftovers(&self.scope(), &record.id).await;
         }
-        // A cgroup can only be removed once it is empty.
+        // Removing the cgroups kills whatever is still in them: nothing the worker started
+        // outlives it, however it detached itself.
         if let Some(limits) = limits {
-            if let Err(error) = limits.remove() {
-                tracing::warn!(session = %record.id, "{error}");
-            }
+            remove_cgroups(&record.id, Some(&limits));
         } else if foreign {
             // A worker this process did not start (its broker was killed) may have left its
             // cgroup behind, found by name. Its processes are gone (above), so it is empty
             // unless another runtime uses that name: then it is left alone.
-            if let Some(limits) = self.sandbox.existing_limits(&record.id) {
-                if !limits.remove_if_empty() {
-                    tracing::warn!(session = %record.id, "a cgroup of this session's name is in use; left in place");
-                }
+            let name = crate::sandbox::cgroup::group_name(&record.id, &self.root_tag());
+            if let Some(limits) = self.sandbox.existing_limits(&name) {
+                // The name is this root's own, so whatever is still inside escaped the worker's
+                // process group and marker (a detached child with a clean environment): it goes.
+                remove_cgroups(&record.id, Some(&limits));
             }
         }
     }
@@ -298,45 +306,69 @@ impl LocalRuntime {
         self.store(&record)?;
 
         let paths = self.sandbox.worker_paths(&dirs);
+        // The cgroups exist before the worker, which joins them before its program starts: a
+        // limit holds from the first instruction, and whatever the agent leaves behind is
+        // killed with the session.
+        let limits = match self.session_cgroups(&id) {
+            Ok(limits) => limits,
+            Err(error) => {
+                self.record_not_started(&mut record)?;
+                return Err(error);
+            }
+        };
+        let joins_at_exec = limits.is_some() && self.sandbox.joins_cgroups_at_exec(record.uid);
+        let procs = limits
+            .as_ref()
+            .filter(|_| joins_at_exec)
+            .map(LimitsHandle::procs_files);
         let spec = LaunchSpec {
             id: &id,
             program: &self.settings.agent.program,
             args: &self.settings.agent.args,
             dirs: &dirs,
             uid: record.uid,
+            join_cgroups: procs.as_deref(),
         };
-        let mut command = self.sandbox.command(&spec)?;
-        command
-            .env_clear()
-            .envs(self.environment(&id, generation, &paths.home, &paths.tmp, record.uid));
-        command.current_dir(&dirs.workspace);
-        let spawned = match worker::spawn(command, id, generation) {
+        let started = match self.sandbox.command(&spec) {
+            Ok(mut command) => {
+                command.env_clear().envs(self.environment(
+                    &id,
+                    generation,
+                    &paths.home,
+                    &paths.tmp,
+                    record.uid,
+                ));
+                command.current_dir(&dirs.workspace);
+                worker::spawn(command, id, generation, limits.clone())
+                    .map_err(|cause| Error::WorkerFailed { id, cause })
+            }
+            Err(error) => Err(error),
+        };
+        let spawned = match started {
             Ok(spawned) => spawned,
-            Err(cause) => {
-                record.phase = Phase::Session(SessionState::Suspended);
-                record.worker = None;
-                self.store(&record)?;
-                return Err(Error::WorkerFailed { id, cause });
+            Err(error) => {
+                remove_cgroups(&id, limits.as_ref());
+                self.record_not_started(&mut record)?;
+                return Err(error);
             }
         };
         if let Some(worker) = record.worker.as_mut() {
             worker.process = Some(spawned.worker.process);
         }
-        let limits = match &self.settings.limits {
-            Some(limits) => match self.sandbox.apply_limits(&id, limits, spawned.worker.process.pid) {
-                Ok(handle) => Some(handle),
-                Err(error) => {
-                    let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
-                    record.phase = Phase::Session(SessionState::Suspended);
-                    record.worker = None;
-                    self.store(&record)?;
-                    return Err(error);
-                }
-            },
-            None => None,
+        let joined = match (&limits, joins_at_exec) {
+            (Some(handle), true) => wait_joined(handle, spawned.worker.as_ref()).await,
+            (Some(handle), false) => handle.adopt(spawned.worker.process.pid),
+            (None, _) => Ok(()),
         };
+        if let Err(error) = joined {
+            let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+            remove_cgroups(&id, limits.as_ref());
+            self.record_not_started(&mut record)?;
+            return Err(error);
+        }
         if let Err(error) = self.store(&record) {
             let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+            remove_cgroups(&id, limits.as_ref());
             return Err(error);
         }
         let (fence, trigger) = Fence::new(id, generation);
@@ -362,6 +394,31 @@ impl LocalRuntime {
             },
             spawned.worker,
         )))
+    }
+
+    /// Records that the worker of `record`'s new generation did not start.
+    fn record_not_started(&self, record: &mut SessionRecord) -> Result<()> {
+        record.phase = Phase::Session(SessionState::Suspended);
+        record.worker = None;
+        self.store(record)
+    }
+
+    /// The cgroups of `id`'s next worker: with the configured limits (an error if they cannot be
+    /// had), or, without limits, none where this broker cannot create cgroups (it is not root
+    /// and has no delegated subtree): then the worker's process group and marker are all that
+    /// tie its processes to the session.
+    fn session_cgroups(&self, id: &SessionId) -> Result<Option<LimitsHandle>> {
+        let name = crate::sandbox::cgroup::group_name(id, &self.root_tag());
+        match &self.settings.limits {
+            Some(limits) => self.sandbox.prepare_limits(&name, limits).map(Some),
+            None => match self.sandbox.prepare_limits(&name, &ResourceLimits::default()) {
+                Ok(handle) => Ok(Some(handle)),
+                Err(error) => {
+                    tracing::debug!(session = %id, "no cgroup for the worker: {error}");
+                    Ok(None)
+                }
+            },
+        }
     }
 
     /// Upstream OpenAB's environment: cleared, then a baseline, then configured variables, then
@@ -660,6 +717,45 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How long a worker may take to join its cgroups (a few shell built-ins) before it is killed.
+const CGROUP_JOIN_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits until `worker` has joined the cgroups of `handle` (its program starts only then), so
+/// that when `attach` returns, the cgroups account for it, or until it has exited (it could not
+/// join; its exit says why).
+///
+/// # Errors
+///
+/// [`Error::Backend`] if it is still outside after [`CGROUP_JOIN_WAIT`].
+async fn wait_joined(handle: &LimitsHandle, worker: &LocalWorker) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + CGROUP_JOIN_WAIT;
+    loop {
+        if handle.holds(worker.process.pid) || !session_runtime::WorkerControl::is_alive(worker) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: true,
+                message: format!(
+                    "worker {} did not join its cgroups within {CGROUP_JOIN_WAIT:?}",
+                    worker.process.pid
+                ),
+                source: None,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Removes a session's cgroups, killing what is left in them; a failure is logged (`reconcile`
+/// finds the cgroups again by name).
+fn remove_cgroups(id: &SessionId, limits: Option<&LimitsHandle>) {
+    if let Some(Err(error)) = limits.map(LimitsHandle::remove) {
+        tracing::warn!(session = %id, "{error}");
+    }
 }
 
 /// The broker's `PATH`, the agent's unless configured otherwise.

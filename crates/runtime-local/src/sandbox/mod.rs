@@ -9,7 +9,8 @@
 //! 2. [`Sandbox::prepare_storage`]: the session's directories made private to that uid;
 //! 3. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
 //!    environment, stdio and process group, and spawns it);
-//! 4. [`Sandbox::apply_limits`]: optional cgroup limits for the started worker;
+//! 4. [`Sandbox::prepare_limits`] (before 3): the session's cgroups, with optional limits,
+//!    which the worker joins before its program starts;
 //! 5. [`Sandbox::release_uid`] when the session's storage is gone.
 //!
 //! # Modes
@@ -56,9 +57,12 @@
 //!
 //! # Limits
 //!
-//! [`Sandbox::apply_limits`] creates one cgroup per session (`openab-<session id>`, beside the
-//! broker's own cgroup) on cgroup v2, v1, or both (hybrid hosts: each controller from the
-//! hierarchy that has it, v2 preferred), and moves the worker and all its descendants in.
+//! [`Sandbox::prepare_limits`] creates one cgroup per session (`openab-<session id>-<root
+//! device>.<root inode>`, beside the broker's own cgroup) on cgroup v2, v1, or both (hybrid
+//! hosts: each controller from the hierarchy that has it, v2 preferred). The worker joins it
+//! before its program starts ([`LaunchSpec::join_cgroups`]), so a limit holds from the agent's
+//! first instruction and nothing it forks, detaches or re-executes with a clean environment can
+//! leave the session: stopping the worker kills what is left in the cgroup.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -163,6 +167,9 @@ pub(crate) struct LaunchSpec<'a> {
     pub(crate) dirs: &'a SessionDirs,
     /// The session's uid from [`Sandbox::allocate_uid`], if any.
     pub(crate) uid: Option<u32>,
+    /// The `cgroup.procs` files of cgroups the worker joins before its program starts (see
+    /// [`Sandbox::joins_cgroups_at_exec`]); `None` to start it where the broker is.
+    pub(crate) join_cgroups: Option<&'a [PathBuf]>,
 }
 
 /// Overrides for [`Sandbox::detect_with`]; the defaults find everything on the host.
@@ -518,6 +525,23 @@ impl Sandbox {
     /// cannot switch to it, or Landlock would run the agent as root (no uid while the broker is
     /// root); [`Error::Backend`] if the generated identity files cannot be written.
     pub(crate) fn command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
+        let command = self.confined_command(spec)?;
+        Ok(match spec.join_cgroups {
+            Some(procs) if self.joins_cgroups_at_exec(spec.uid) => cgroup::join_at_exec(&command, procs),
+            _ => command,
+        })
+    }
+
+    /// Whether a worker of a session with `uid` can join its cgroups before its program starts
+    /// ([`LaunchSpec::join_cgroups`]): the joining shell runs as the broker (in plain mode with a
+    /// uid it would run as that uid, which may not write to cgroups), and `/bin/sh` exists.
+    /// Otherwise [`LimitsHandle::adopt`] moves the worker in once it runs.
+    pub(crate) fn joins_cgroups_at_exec(&self, uid: Option<u32>) -> bool {
+        !(self.kind() == SandboxKind::None && uid.is_some()) && cgroup::can_join_at_exec()
+    }
+
+    /// [`Sandbox::command`] before it is made to join cgroups.
+    fn confined_command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
         let inner = &*self.inner;
         match &inner.backend {
             Backend::Plain => {
@@ -558,25 +582,38 @@ impl Sandbox {
         }
     }
 
-    /// Puts the worker `pid` (and every descendant it has by then) into a new cgroup
-    /// `openab-<id>` with `limits`, beside the broker's own cgroup: memory, pids and cpu from
-    /// cgroup v2 where the unified hierarchy offers them, else from their v1 hierarchies. The
-    /// memory and pids controllers are used whenever available, even without a limit, so that
-    /// [`LimitsHandle::usage`] can report them. An existing cgroup of that name is reused.
+    /// Creates the cgroups `name` (see [`cgroup::group_name`]) with `limits`, beside the
+    /// broker's own cgroup, for a worker about to start: memory, pids and cpu from cgroup v2
+    /// where the unified hierarchy offers them, else from their v1 hierarchies. The memory and
+    /// pids controllers are used whenever available, even without a limit, so that
+    /// [`LimitsHandle::usage`] can report them and the whole session can be killed at once. An
+    /// existing cgroup of that name is reused.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming `session_runtime.local.limits` if a configured limit has
     /// no usable controller (not mounted, not delegated to the broker, no permission), saying
     /// which; [`Error::Backend`] for other failures. Nothing is left behind on error.
+    pub(crate) fn prepare_limits(&self, name: &str, limits: &ResourceLimits) -> Result<LimitsHandle, Error> {
+        let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
+        host.prepare(name, limits)
+    }
+
+    /// [`Sandbox::prepare_limits`], then moves the running worker `pid` (and every descendant it
+    /// has by then) in.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Sandbox::prepare_limits`].
+    #[allow(dead_code)] // the runtime joins at exec; kept for callers with a running process
     pub(crate) fn apply_limits(
         &self,
-        id: &SessionId,
+        name: &str,
         limits: &ResourceLimits,
         pid: u32,
     ) -> Result<LimitsHandle, Error> {
         let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
-        host.apply(id, limits, pid)
+        host.apply(name, limits, pid)
     }
 
     /// Checks, without a worker, that [`Sandbox::apply_limits`] can apply `limits` here: the
@@ -593,8 +630,8 @@ impl Sandbox {
 
     /// The cgroup of a session left by an earlier broker process, if there is one (for
     /// `reconcile`: remove it once the session's processes are gone).
-    pub(crate) fn existing_limits(&self, id: &SessionId) -> Option<LimitsHandle> {
-        cgroup::CgroupHost::detect().ok()?.existing(id)
+    pub(crate) fn existing_limits(&self, name: &str) -> Option<LimitsHandle> {
+        cgroup::CgroupHost::detect().ok()?.existing(name)
     }
 }
 
