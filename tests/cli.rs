@@ -509,3 +509,86 @@ fn a_cpu_limit_the_kernel_cannot_represent_is_refused() {
         "{output:?}"
     );
 }
+
+#[test]
+fn nothing_the_agent_detaches_outlives_run_even_without_cgroups() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let home = dir.path().join("home");
+    std::fs::create_dir(&home).expect("mkdir");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            home.join("sessions")
+        ),
+    );
+    // As root, `run` would put the agent in a cgroup and kill what is left in it; as another
+    // user it cannot, which is the case this test is about.
+    let mut command = if rustix::process::geteuid().is_root() {
+        std::os::unix::fs::chown(&home, Some(65534), Some(65534)).expect("chown");
+        let mut command = Command::new("setpriv");
+        command.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
+        command.arg(env!("CARGO_BIN_EXE_oab-runtime"));
+        command
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_oab-runtime"))
+    };
+    // A grandchild in a session of its own, with no environment (so no worker marker), whose
+    // parent exits at once (so it is no descendant of the agent), then the agent waits.
+    let script = "(setsid env -i /bin/sleep 300 & echo $!); exec /bin/sleep 300";
+    let mut run = command
+        .env("OAB_LOG", "error")
+        .env("HOME", &home)
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "run",
+            "--platform",
+            "p",
+            "--thread",
+            "orphan",
+            "--",
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("the grandchild's pid");
+    let Ok(pid) = line.trim().parse::<u32>() else {
+        panic!("no pid from the agent: {line:?} {:?}", run.wait_with_output());
+    };
+    let start = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .expect("the grandchild runs")
+        .rsplit_once(") ")
+        .expect("stat")
+        .1
+        .split(' ')
+        .nth(19)
+        .expect("start time")
+        .parse::<u64>()
+        .expect("start time");
+    let killed = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let output = wait_for_end(run, "SIGTERM");
+    let survived = still_runs(pid, start);
+    if survived {
+        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    }
+    assert!(
+        !survived,
+        "the detached grandchild {pid} outlived run: {output:?}"
+    );
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
+}

@@ -10,6 +10,9 @@
 //! | SIGTERM, SIGHUP or SIGINT reached `run` | `128 + signal` |
 //! | the agent could not be started | 127 |
 //!
+//! Nothing the agent started outlives `run`: `run` is the subreaper of everything below it, and
+//! kills what is left there once the session is suspended.
+//!
 //! Every byte of stdin reaches the agent unchanged, one line at a time (JSON-RPC over ACP is UTF-8,
 //! but `run` does not judge: the agent reports what it cannot parse).
 
@@ -69,6 +72,11 @@ pub(crate) async fn run(
 ) -> Outcome {
     // Before anything starts: a signal from here on suspends what was started.
     let mut signals = StopSignals::install()?;
+    // Whatever the agent leaves behind when its parent exits is reparented to `run` instead of
+    // PID 1, so that `run` can still end it (where no cgroup of the session holds it).
+    if let Err(error) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
+        eprintln!("oab-runtime: cannot adopt the agent's orphans: {error}");
+    }
     let agent = argv
         .split_first()
         .map(|(program, args)| AgentCommand::new(program).args(args.iter().cloned()));
@@ -152,7 +160,9 @@ pub(crate) async fn run(
         handle.id,
         describe(ending, ended_alone)
     );
-    runtime.suspend(&handle.id, SuspendReason::Shutdown).await?;
+    let suspended = runtime.suspend(&handle.id, SuspendReason::Shutdown).await;
+    kill_adopted_orphans();
+    suspended?;
     eprintln!("session {} suspended", handle.id);
     Ok(ExitCode::from(exit_status(ending, ended_alone)))
 }
@@ -270,6 +280,57 @@ async fn read_within(
             Err(_) => Ok(None),
         },
     }
+}
+
+/// Kills every process left below `run` once its session is suspended: only processes the agent
+/// started are (the subreaper made its orphans `run`'s), so none of them outlives `run`, even
+/// if it left the agent's process group and cleared the worker marker from its environment.
+fn kill_adopted_orphans() {
+    // A killed parent's children are reparented here only as it dies: look again, a few times.
+    for _ in 0..10 {
+        let left = living_descendants(std::process::id());
+        if left.is_empty() {
+            return;
+        }
+        for pid in left {
+            if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Every descendant of `root` that has not exited (zombies stay until `run` exits: Tokio reaps
+/// only the children it started).
+fn living_descendants(root: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut queue = vec![root];
+    while let Some(pid) = queue.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children
+                .split_ascii_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if !found.contains(&child) && !is_zombie(child) {
+                    found.push(child);
+                    queue.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit_once(") ")
+            .is_none_or(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
+    })
 }
 
 /// What happened, for the operator.
