@@ -592,3 +592,28 @@ fn nothing_the_agent_detaches_outlives_run_even_without_cgroups() {
     );
     assert_eq!(output.status.code(), Some(143), "{output:?}");
 }
+
+#[test]
+fn run_reports_an_agent_killed_by_its_memory_limit_as_out_of_memory() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipping: memory limits need a root broker here");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n\
+             [session_runtime.local.limits]\nmemory = \"32Mi\"\n",
+            dir.path().join("sessions")
+        ),
+    );
+    // `tail` keeps all of an endless line in memory.
+    let run = spawn_run(&config, "oom", &["/usr/bin/tail", "/dev/zero"]);
+    let output = wait_for_end(run, "the agent was killed by its memory limit");
+    assert_eq!(output.status.code(), Some(137), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("exceeding its memory limit"),
+        "{output:?}"
+    );
+}
