@@ -13,8 +13,10 @@
 //! Nothing the agent started outlives `run`: `run` is the subreaper of everything below it, and
 //! kills what is left there once the session is suspended.
 //!
-//! Every byte of stdin reaches the agent unchanged, one line at a time (JSON-RPC over ACP is UTF-8,
-//! but `run` does not judge: the agent reports what it cannot parse).
+//! Every line of stdin reaches the agent byte for byte, not UTF-8 included (JSON-RPC over ACP is
+//! UTF-8, but `run` does not judge: the agent reports what it cannot parse); only blank lines,
+//! which carry no message, are left out. If the agent stops taking input, `run` says how many
+//! lines it did not get.
 
 use std::io::BufRead;
 use std::process::ExitCode;
