@@ -220,3 +220,400 @@ fn run_suspends_at_stdin_eof_even_when_the_agent_ignores_eof() {
         "the session is suspended, its worker stopped: {listing}"
     );
 }
+
+/// `oab-runtime run` for `thread` with `agent` as its argv, its three standard streams piped.
+fn spawn_run(config: &std::path::Path, thread: &str, agent: &[&str]) -> std::process::Child {
+    oab_runtime()
+        .arg("--config")
+        .arg(config)
+        .args(["run", "--platform", "discord", "--thread", thread, "--"])
+        .args(agent)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run")
+}
+
+/// Waits for `run` to end by itself; a hang (a minute) fails the test.
+fn wait_for_end(mut run: std::process::Child, why: &str) -> std::process::Output {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while run.try_wait().expect("run status").is_none() {
+        if std::time::Instant::now() >= deadline {
+            let _ = run.kill();
+            panic!("{why}: run did not end: {:?}", run.wait_with_output());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    run.wait_with_output().expect("run output")
+}
+
+/// The state of the only session in `ls`.
+fn only_session_state(config: &std::path::Path) -> String {
+    let listing = ls(config);
+    let rows: Vec<&str> = listing.lines().skip(1).collect();
+    assert_eq!(rows.len(), 1, "{listing}");
+    rows[0]
+        .split_whitespace()
+        .nth(1)
+        .expect("state column")
+        .to_owned()
+}
+
+#[test]
+fn run_ends_with_its_agent_and_exits_with_its_status() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    // stdin stays open: `run` must not wait for it once its agent is gone.
+    let run = spawn_run(&config, "exit-3", &["/bin/sh", "-c", "echo bye; exit 3"]);
+    let output = wait_for_end(run, "the agent exited");
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "bye\n");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("exited with code 3"),
+        "{output:?}"
+    );
+    assert_eq!(only_session_state(&config), "suspended");
+
+    let run = spawn_run(&config, "exit-0", &["/bin/sh", "-c", "exit 0"]);
+    let output = wait_for_end(run, "the agent exited cleanly");
+    assert_eq!(output.status.code(), Some(0), "a clean end is 0: {output:?}");
+}
+
+#[test]
+fn run_of_a_missing_agent_fails_with_enoent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    for agent in ["no-such-agent-on-path", "/no/such/agent"] {
+        let run = spawn_run(&config, agent, &[agent]);
+        let output = wait_for_end(run, "the agent cannot start");
+        assert_eq!(output.status.code(), Some(127), "{output:?}");
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("No such file or directory"),
+            "{output:?}"
+        );
+    }
+}
+
+#[test]
+fn run_passes_every_byte_of_stdin_to_the_agent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let mut run = spawn_run(&config, "bytes", &["/bin/cat"]);
+    // Not UTF-8 in the middle: the lines after it must arrive too.
+    let input: &[u8] = b"{\"first\":1}\n{\"bad\":\"\xff\xfe\"}\n{\"last\":3}\n";
+    {
+        use std::io::Write;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin.write_all(input).expect("write");
+    }
+    let output = wait_for_end(run, "cat ends at stdin EOF");
+    assert_eq!(output.stdout, input, "{output:?}");
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+}
+
+/// The pid in `run`'s `attached: worker pid:<pid>@<start>/g<n>` line, once it was printed.
+fn attached_worker(stderr: &mut impl std::io::BufRead) -> (u32, u64) {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("stderr") > 0,
+            "run ended before attaching"
+        );
+        if let Some(rest) = line.split("worker pid:").nth(1) {
+            let (pid, rest) = rest.split_once('@').expect("pid@start");
+            let start = rest.split('/').next().expect("start time");
+            return (pid.parse().expect("pid"), start.parse().expect("start time"));
+        }
+    }
+}
+
+/// Whether the process `pid` with start time `start` still runs (not a zombie).
+fn still_runs(pid: u32, start: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let fields: Vec<&str> = stat.rsplit_once(") ").expect("stat").1.split(' ').collect();
+    fields[0] != "Z" && fields[19].parse::<u64>().ok() == Some(start)
+}
+
+#[test]
+fn run_suspends_on_term_hup_and_int_and_leaves_no_agent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let agent = env!("CARGO_BIN_EXE_oab-runtime");
+    for (signal, number) in [("TERM", 15), ("HUP", 1), ("INT", 2)] {
+        let mut run = spawn_run(
+            &config,
+            "signals",
+            &[agent, "__acp-test-agent", "--ignore-stdin-eof"],
+        );
+        let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+        let (pid, start) = attached_worker(&mut stderr);
+        let killed = Command::new("kill")
+            .args([format!("-{signal}"), run.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(killed.success());
+        // stdin stays open: the signal alone must end `run`.
+        let output = wait_for_end(run, signal);
+        assert_eq!(
+            output.status.code(),
+            Some(128 + number),
+            "SIG{signal}: {output:?}"
+        );
+        assert_eq!(only_session_state(&config), "suspended", "SIG{signal}");
+        assert!(
+            !still_runs(pid, start),
+            "SIG{signal} left the agent {pid} running"
+        );
+    }
+}
+
+#[test]
+fn reading_commands_write_nothing_and_bad_roots_are_refused_untouched() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, root) = plain_config(dir.path());
+    let listing = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(listing.status.success(), "{listing:?}");
+    let status = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["status", "aaaaaaaaaaaaaaaaaaaa"])
+        .output()
+        .expect("status");
+    assert!(!status.status.success(), "{status:?}");
+    assert!(!root.exists(), "ls and status must not create the root");
+
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    for (bad, why) in [
+        (std::path::Path::new("/"), "filesystem root"),
+        (std::path::Path::new("/tmp"), "system directory"),
+        (shared.as_path(), "every user may write"),
+    ] {
+        let before = std::fs::metadata(bad).expect("meta").permissions().mode();
+        let config = write_config(
+            dir.path(),
+            &format!("[session_runtime.local]\nsandbox = \"none\"\nroot = {bad:?}\n"),
+        );
+        for command in [
+            &["ls"][..],
+            &["run", "--platform", "p", "--thread", "t", "--", "/bin/true"],
+        ] {
+            let output = oab_runtime()
+                .arg("--config")
+                .arg(&config)
+                .args(command)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("run");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{bad:?} {command:?}: {output:?}");
+            assert!(
+                stderr.contains("session_runtime.local.root") && stderr.contains(why),
+                "{bad:?} {command:?}: {stderr}"
+            );
+        }
+        let after = std::fs::metadata(bad).expect("meta").permissions().mode();
+        assert_eq!(before, after, "the mode of {bad:?} must not change");
+    }
+}
+
+#[test]
+fn closing_a_session_that_never_existed_says_so() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let close = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["close", "aaaaaaaaaaaaaaaaaaaa", "--reason", "ended"])
+        .output()
+        .expect("close");
+    let stdout = String::from_utf8_lossy(&close.stdout);
+    assert!(close.status.success(), "closing is idempotent: {close:?}");
+    assert!(stdout.contains("nothing to close"), "{stdout}");
+    assert!(!stdout.contains("closed "), "{stdout}");
+}
+
+#[test]
+fn errors_show_their_os_cause() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").expect("write");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            file.join("sessions")
+        ),
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "p", "--thread", "t", "--", "/bin/true"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("Not a directory (os error 20)"),
+        "{output:?}"
+    );
+}
+
+#[test]
+fn a_grace_without_end_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nsandbox = \"none\"\nterminate_grace = \"100000000y\"\n",
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("session_runtime.local.terminate_grace"),
+        "{output:?}"
+    );
+}
+
+#[test]
+fn a_cpu_limit_the_kernel_cannot_represent_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nsandbox = \"none\"\n[session_runtime.local.limits]\ncpu = 1e308\n",
+    );
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("ls")
+        .output()
+        .expect("ls");
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("session_runtime.local.limits.cpu"),
+        "{output:?}"
+    );
+}
+
+#[test]
+fn nothing_the_agent_detaches_outlives_run_even_without_cgroups() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let home = dir.path().join("home");
+    std::fs::create_dir(&home).expect("mkdir");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            home.join("sessions")
+        ),
+    );
+    // As root, `run` would put the agent in a cgroup and kill what is left in it; as another
+    // user it cannot, which is the case this test is about.
+    let mut command = if rustix::process::geteuid().is_root() {
+        std::os::unix::fs::chown(&home, Some(65534), Some(65534)).expect("chown");
+        let mut command = Command::new("setpriv");
+        command.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
+        command.arg(env!("CARGO_BIN_EXE_oab-runtime"));
+        command
+    } else {
+        Command::new(env!("CARGO_BIN_EXE_oab-runtime"))
+    };
+    // A grandchild in a session of its own, with no environment (so no worker marker), whose
+    // parent exits at once (so it is no descendant of the agent), then the agent waits.
+    let script = "(setsid env -i /bin/sleep 300 & echo $!); exec /bin/sleep 300";
+    let mut run = command
+        .env("OAB_LOG", "error")
+        .env("HOME", &home)
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "run",
+            "--platform",
+            "p",
+            "--thread",
+            "orphan",
+            "--",
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("the grandchild's pid");
+    let Ok(pid) = line.trim().parse::<u32>() else {
+        panic!("no pid from the agent: {line:?} {:?}", run.wait_with_output());
+    };
+    let start = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .expect("the grandchild runs")
+        .rsplit_once(") ")
+        .expect("stat")
+        .1
+        .split(' ')
+        .nth(19)
+        .expect("start time")
+        .parse::<u64>()
+        .expect("start time");
+    let killed = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let output = wait_for_end(run, "SIGTERM");
+    let survived = still_runs(pid, start);
+    if survived {
+        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    }
+    assert!(
+        !survived,
+        "the detached grandchild {pid} outlived run: {output:?}"
+    );
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
+}
+
+#[test]
+fn run_reports_an_agent_killed_by_its_memory_limit_as_out_of_memory() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipping: memory limits need a root broker here");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n\
+             [session_runtime.local.limits]\nmemory = \"32Mi\"\n",
+            dir.path().join("sessions")
+        ),
+    );
+    // `tail` keeps all of an endless line in memory.
+    let run = spawn_run(&config, "oom", &["/usr/bin/tail", "/dev/zero"]);
+    let output = wait_for_end(run, "the agent was killed by its memory limit");
+    assert_eq!(output.status.code(), Some(137), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("exceeding its memory limit"),
+        "{output:?}"
+    );
+}

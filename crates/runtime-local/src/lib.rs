@@ -27,8 +27,21 @@
 //! when no pid was recorded), records as suspended a running session whose worker died with the
 //! broker, finishes interrupted closes, suspends idle workers, expires retained storage, and
 //! releases what a killed broker left half-released (uid claims of sessions with no storage,
-//! empty cgroups of stopped workers). Stopping a worker waits until no process carrying its
-//! marker is left, so two generations of a session never run at once, not even for a moment.
+//! cgroups of stopped workers, killing what is left in them). Stopping a worker waits until no
+//! process carrying its marker is left, so two generations of a session never run at once, not
+//! even for a moment.
+//!
+//! # Cgroups
+//!
+//! Where the broker may create cgroups (root, or a delegated cgroup v2 subtree), every worker
+//! gets its session's own (`openab-<session id>-<root device>.<root inode>`), with the
+//! configured limits or none, and joins them before its program starts: a limit holds from the
+//! agent's first instruction, a worker killed by its memory limit ends
+//! [`WorkerExit::OutOfMemory`](session_runtime::WorkerExit), and stopping the worker kills
+//! whatever is still in them, so nothing the agent starts outlives its session however it
+//! detaches itself (a new session, a double fork, a cleared environment). Elsewhere, without
+//! limits, a worker's process group and the marker in its environment are all that tie its
+//! processes to the session.
 //!
 //! # Hostile state on disk
 //!
@@ -45,10 +58,12 @@
 //! `reconcile`, sandboxed ones die with the broker). Replay on re-attach: no (re-attaching starts a
 //! new generation; the broker uses `session/load`).
 
+mod errors;
 mod layout;
 mod process;
 mod reconcile;
 mod record;
+mod root;
 mod runtime;
 mod sandbox;
 mod seed;
@@ -57,6 +72,7 @@ mod settings;
 mod testing;
 mod worker;
 
+pub(crate) use errors::backend_error;
 pub use runtime::LocalRuntime;
 pub use settings::LocalRuntimeBuilder;
 pub(crate) use settings::LocalSettings;

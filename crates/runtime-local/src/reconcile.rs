@@ -5,17 +5,19 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::time::SystemTime;
 
 use rustix::process::Signal;
-use session_runtime::{Error, ReconcileReport, Result, SessionId, SessionState, StorageState};
+use session_runtime::{ReconcileReport, Result, SessionId, SessionState, StorageState};
 
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence};
 use crate::runtime::{LocalRuntime, WORKER_MARKER};
-use crate::RUNTIME;
 
 pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
     let root = &runtime.settings.root;
+    if std::fs::symlink_metadata(root).is_err() {
+        return Ok(report); // no root, no sessions: nothing to repair, and nothing is created
+    }
     // One pass at a time per root, across broker processes; the others find nothing to do.
     // Never through a link, never truncating: one planted as the lock would otherwise have this
     // create or empty a file anywhere on the host.
@@ -25,11 +27,11 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
         .write(true)
         .custom_flags(record::no_follow())
         .open(root.join(".reconcile.lock"))
-        .map_err(|e| Error::backend(RUNTIME, true, "opening the reconcile lock", e))?;
+        .map_err(|e| crate::backend_error(true, "opening the reconcile lock", e))?;
     match guard.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => return Ok(report),
-        Err(fs::TryLockError::Error(e)) => return Err(Error::backend(RUNTIME, true, "locking reconcile", e)),
+        Err(fs::TryLockError::Error(e)) => return Err(crate::backend_error(true, "locking reconcile", e)),
     }
     for id in runtime.live_ids()? {
         if let Err(error) = runtime.reconcile_session(id, &mut report).await {
@@ -46,7 +48,7 @@ pub(crate) async fn run(runtime: &LocalRuntime) -> Result<ReconcileReport> {
 /// Workers of this installation and root that no record accounts for: their session is gone, or its record
 /// names another generation, or says nothing should run.
 fn kill_unrecorded_workers(runtime: &LocalRuntime, report: &mut ReconcileReport) {
-    let prefix = format!("{WORKER_MARKER}={}:", runtime.settings.scope);
+    let prefix = format!("{WORKER_MARKER}={}:", runtime.scope());
     for (pid, rest) in process::with_environment_prefix(&prefix) {
         let Some((id, generation)) = rest.split_once(':') else {
             continue;

@@ -215,7 +215,7 @@ pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>,
             Ok(true) => {}
             Ok(false) => return Err(corrupt(path, "its session directory is not a plain directory")),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::backend(RUNTIME, true, "reading a session record", e)),
+            Err(e) => return Err(crate::backend_error(true, "reading a session record", e)),
         }
     }
     let opened = OpenOptions::new().read(true).custom_flags(no_follow()).open(path);
@@ -226,11 +226,11 @@ pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>,
         Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
             return Err(corrupt(path, "it is a symbolic link"))
         }
-        Err(e) => return Err(Error::backend(RUNTIME, true, "reading a session record", e)),
+        Err(e) => return Err(crate::backend_error(true, "reading a session record", e)),
     };
     let meta = file
         .metadata()
-        .map_err(|e| Error::backend(RUNTIME, true, "reading a session record", e))?;
+        .map_err(|e| crate::backend_error(true, "reading a session record", e))?;
     if !meta.is_file() || meta.len() > MAX_RECORD_BYTES {
         return Err(corrupt(path, "not a regular file of a plausible size"));
     }
@@ -247,7 +247,7 @@ pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>,
 
 /// Atomically replaces the record at `path`.
 pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
-    let fail = |e: io::Error| Error::backend(RUNTIME, true, "writing a session record", e);
+    let fail = |e: io::Error| crate::backend_error(true, "writing a session record", e);
     let dir = path
         .parent()
         .ok_or_else(|| fail(io::Error::other("a record path has a parent")))?;

@@ -5,7 +5,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -14,7 +14,7 @@ use rustix::process::Signal;
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
     ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
-    SessionState, SessionStatus, StorageState, SuspendReason,
+    SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure,
 };
 
 use crate::layout::{self, SessionDirs};
@@ -24,6 +24,7 @@ use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
+use session_runtime::config::ResourceLimits;
 
 /// The environment variable every worker carries: `<scope>:<session id>:<generation>`, where the
 /// scope names the installation and the storage root (see `LocalSettings::scope`).
@@ -39,6 +40,8 @@ pub struct LocalRuntime {
     pub(crate) settings: LocalSettings,
     pub(crate) sandbox: Sandbox,
     pub(crate) broker: ProcessRef,
+    /// See [`LocalRuntime::root_tag`].
+    root_tag: OnceLock<String>,
     slots: Mutex<HashMap<SessionId, Arc<Slot>>>,
 }
 
@@ -77,7 +80,7 @@ impl Drop for OwnerLock {
 }
 
 fn storage_error(what: &str, error: io::Error) -> Error {
-    Error::backend(RUNTIME, true, what, error)
+    crate::backend_error(true, what, error)
 }
 
 impl LocalRuntime {
@@ -86,8 +89,34 @@ impl LocalRuntime {
             settings,
             sandbox,
             broker: ProcessRef::current(),
+            root_tag: OnceLock::new(),
             slots: Mutex::default(),
         }
+    }
+
+    /// `<installation>@<root device>.<root inode>`: which workers are this runtime's. Two
+    /// runtimes of one installation with different roots never touch each other's workers.
+    /// Fixed once the root exists; before, it matches no worker (none can have started).
+    pub(crate) fn scope(&self) -> String {
+        format!("{}@{}", self.settings.installation, self.root_tag())
+    }
+
+    /// `<root device>.<root inode>`: which root this runtime serves (in its scope and its cgroup
+    /// names). Fixed once the root exists; before, it matches nothing (no worker can have
+    /// started).
+    pub(crate) fn root_tag(&self) -> String {
+        if let Some(tag) = self.root_tag.get() {
+            return tag.clone();
+        }
+        match crate::root::tag_of(&self.settings.root) {
+            Some(tag) => self.root_tag.get_or_init(|| tag).clone(),
+            None => "no-root".to_owned(),
+        }
+    }
+
+    /// Whether the root exists: without one there are no sessions to read or repair.
+    fn has_root(&self) -> bool {
+        fs::symlink_metadata(&self.settings.root).is_ok()
     }
 
     fn slot(&self, id: &SessionId) -> Arc<Slot> {
@@ -168,7 +197,7 @@ impl LocalRuntime {
             .worker
             .filter(|w| own_leader.is_none() || w.process != own_leader)
         {
-            kill_recorded(&self.settings.scope, &record.id, &worker).await;
+            kill_recorded(&self.scope(), &record.id, &worker).await;
         }
         // The leader's exit does not mean its tree is gone: a sandbox's inner processes run in
         // a session of their own and die (by `--die-with-parent`) only after bubblewrap exits,
@@ -183,21 +212,21 @@ impl LocalRuntime {
         let plain_and_gone = self.sandbox.kind() == SandboxKind::None
             && own_leader.is_some_and(|leader| group_is_empty(leader.pid));
         if had_worker && !plain_and_gone {
-            kill_leftovers(&self.settings.scope, &record.id).await;
+            kill_leftovers(&self.scope(), &record.id).await;
         }
-        // A cgroup can only be removed once it is empty.
+        // Removing the cgroups kills whatever is still in them: nothing the worker started
+        // outlives it, however it detached itself.
         if let Some(limits) = limits {
-            if let Err(error) = limits.remove() {
-                tracing::warn!(session = %record.id, "{error}");
-            }
+            remove_cgroups(&record.id, Some(&limits));
         } else if foreign {
             // A worker this process did not start (its broker was killed) may have left its
             // cgroup behind, found by name. Its processes are gone (above), so it is empty
             // unless another runtime uses that name: then it is left alone.
-            if let Some(limits) = self.sandbox.existing_limits(&record.id) {
-                if !limits.remove_if_empty() {
-                    tracing::warn!(session = %record.id, "a cgroup of this session's name is in use; left in place");
-                }
+            let name = crate::sandbox::cgroup::group_name(&record.id, &self.root_tag());
+            if let Some(limits) = self.sandbox.existing_limits(&name) {
+                // The name is this root's own, so whatever is still inside escaped the worker's
+                // process group and marker (a detached child with a clean environment): it goes.
+                remove_cgroups(&record.id, Some(&limits));
             }
         }
     }
@@ -225,12 +254,7 @@ impl LocalRuntime {
         // each must be the session's own directory, not a link planted to lead elsewhere.
         for dir in dirs.agent_dirs() {
             let plain = layout::plain_dir(dir).map_err(|e| {
-                Error::backend(
-                    RUNTIME,
-                    false,
-                    format!("session {id} storage was tampered with"),
-                    e,
-                )
+                crate::backend_error(false, format!("session {id} storage was tampered with"), e)
             })?;
             if !plain {
                 return Err(Error::Backend {
@@ -240,6 +264,17 @@ impl LocalRuntime {
                     source: None,
                 });
             }
+        }
+        // A missing agent fails here, alike in every mode, before anything changes.
+        let agent = &self.settings.agent;
+        if let Some(error) = self
+            .sandbox
+            .missing_program(&agent.program, &self.agent_path_var(), &dirs)
+        {
+            return Err(Error::WorkerFailed {
+                id,
+                cause: WorkerFailure::Spawn(format!("{}: {error}", agent.program)),
+            });
         }
         self.own(held, id, &dirs, Some(&record))?;
         self.stop_worker(
@@ -271,45 +306,69 @@ impl LocalRuntime {
         self.store(&record)?;
 
         let paths = self.sandbox.worker_paths(&dirs);
+        // The cgroups exist before the worker, which joins them before its program starts: a
+        // limit holds from the first instruction, and whatever the agent leaves behind is
+        // killed with the session.
+        let limits = match self.session_cgroups(&id) {
+            Ok(limits) => limits,
+            Err(error) => {
+                self.record_not_started(&mut record)?;
+                return Err(error);
+            }
+        };
+        let joins_at_exec = limits.is_some() && self.sandbox.joins_cgroups_at_exec(record.uid);
+        let procs = limits
+            .as_ref()
+            .filter(|_| joins_at_exec)
+            .map(LimitsHandle::procs_files);
         let spec = LaunchSpec {
             id: &id,
             program: &self.settings.agent.program,
             args: &self.settings.agent.args,
             dirs: &dirs,
             uid: record.uid,
+            join_cgroups: procs.as_deref(),
         };
-        let mut command = self.sandbox.command(&spec)?;
-        command
-            .env_clear()
-            .envs(self.environment(&id, generation, &paths.home, &paths.tmp, record.uid));
-        command.current_dir(&dirs.workspace);
-        let spawned = match worker::spawn(command, id, generation) {
+        let started = match self.sandbox.command(&spec) {
+            Ok(mut command) => {
+                command.env_clear().envs(self.environment(
+                    &id,
+                    generation,
+                    &paths.home,
+                    &paths.tmp,
+                    record.uid,
+                ));
+                command.current_dir(&dirs.workspace);
+                worker::spawn(command, id, generation, limits.clone())
+                    .map_err(|cause| Error::WorkerFailed { id, cause })
+            }
+            Err(error) => Err(error),
+        };
+        let spawned = match started {
             Ok(spawned) => spawned,
-            Err(cause) => {
-                record.phase = Phase::Session(SessionState::Suspended);
-                record.worker = None;
-                self.store(&record)?;
-                return Err(Error::WorkerFailed { id, cause });
+            Err(error) => {
+                remove_cgroups(&id, limits.as_ref());
+                self.record_not_started(&mut record)?;
+                return Err(error);
             }
         };
         if let Some(worker) = record.worker.as_mut() {
             worker.process = Some(spawned.worker.process);
         }
-        let limits = match &self.settings.limits {
-            Some(limits) => match self.sandbox.apply_limits(&id, limits, spawned.worker.process.pid) {
-                Ok(handle) => Some(handle),
-                Err(error) => {
-                    let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
-                    record.phase = Phase::Session(SessionState::Suspended);
-                    record.worker = None;
-                    self.store(&record)?;
-                    return Err(error);
-                }
-            },
-            None => None,
+        let joined = match (&limits, joins_at_exec) {
+            (Some(handle), true) => wait_joined(handle, spawned.worker.as_ref()).await,
+            (Some(handle), false) => handle.adopt(spawned.worker.process.pid),
+            (None, _) => Ok(()),
         };
+        if let Err(error) = joined {
+            let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+            remove_cgroups(&id, limits.as_ref());
+            self.record_not_started(&mut record)?;
+            return Err(error);
+        }
         if let Err(error) = self.store(&record) {
             let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;
+            remove_cgroups(&id, limits.as_ref());
             return Err(error);
         }
         let (fence, trigger) = Fence::new(id, generation);
@@ -337,6 +396,31 @@ impl LocalRuntime {
         )))
     }
 
+    /// Records that the worker of `record`'s new generation did not start.
+    fn record_not_started(&self, record: &mut SessionRecord) -> Result<()> {
+        record.phase = Phase::Session(SessionState::Suspended);
+        record.worker = None;
+        self.store(record)
+    }
+
+    /// The cgroups of `id`'s next worker: with the configured limits (an error if they cannot be
+    /// had), or, without limits, none where this broker cannot create cgroups (it is not root
+    /// and has no delegated subtree): then the worker's process group and marker are all that
+    /// tie its processes to the session.
+    fn session_cgroups(&self, id: &SessionId) -> Result<Option<LimitsHandle>> {
+        let name = crate::sandbox::cgroup::group_name(id, &self.root_tag());
+        match &self.settings.limits {
+            Some(limits) => self.sandbox.prepare_limits(&name, limits).map(Some),
+            None => match self.sandbox.prepare_limits(&name, &ResourceLimits::default()) {
+                Ok(handle) => Ok(Some(handle)),
+                Err(error) => {
+                    tracing::debug!(session = %id, "no cgroup for the worker: {error}");
+                    Ok(None)
+                }
+            },
+        }
+    }
+
     /// Upstream OpenAB's environment: cleared, then a baseline, then configured variables, then
     /// inherited ones that were not set explicitly.
     fn environment(
@@ -351,10 +435,7 @@ impl LocalRuntime {
         let mut env: Vec<(String, String)> = vec![
             ("HOME".into(), home.into()),
             ("TMPDIR".into(), tmp.into()),
-            (
-                "PATH".into(),
-                std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
-            ),
+            ("PATH".into(), broker_path_var()),
             // A session with a user of its own runs as `agent` (the sandbox's passwd says so).
             (
                 "USER".into(),
@@ -379,11 +460,18 @@ impl LocalRuntime {
                 env.push((key.clone(), value));
             }
         }
-        env.push((
-            WORKER_MARKER.into(),
-            marker_value(&self.settings.scope, id, generation),
-        ));
+        env.push((WORKER_MARKER.into(), marker_value(&self.scope(), id, generation)));
         env
+    }
+
+    /// The `PATH` the agent gets (see [`environment`](Self::environment)).
+    fn agent_path_var(&self) -> String {
+        self.settings
+            .agent
+            .env
+            .get("PATH")
+            .cloned()
+            .unwrap_or_else(broker_path_var)
     }
 
     async fn suspend_locked(&self, id: SessionId, held: &mut Held, reason: SuspendReason) -> Result<()> {
@@ -566,6 +654,7 @@ impl LocalRuntime {
     ) -> Result<SessionRecord> {
         let id = identity.id();
         let dirs = self.dirs(&id);
+        crate::root::ensure(&self.settings.root)?;
         let adopted = match fs::create_dir(&dirs.base) {
             Ok(()) => false,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -628,6 +717,50 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How long a worker may take to join its cgroups (a few shell built-ins) before it is killed.
+const CGROUP_JOIN_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits until `worker` has joined the cgroups of `handle` (its program starts only then), so
+/// that when `attach` returns, the cgroups account for it, or until it has exited (it could not
+/// join; its exit says why).
+///
+/// # Errors
+///
+/// [`Error::Backend`] if it is still outside after [`CGROUP_JOIN_WAIT`].
+async fn wait_joined(handle: &LimitsHandle, worker: &LocalWorker) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + CGROUP_JOIN_WAIT;
+    loop {
+        if handle.holds(worker.process.pid) || !session_runtime::WorkerControl::is_alive(worker) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::Backend {
+                runtime: RUNTIME,
+                retryable: true,
+                message: format!(
+                    "worker {} did not join its cgroups within {CGROUP_JOIN_WAIT:?}",
+                    worker.process.pid
+                ),
+                source: None,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Removes a session's cgroups, killing what is left in them; a failure is logged (`reconcile`
+/// finds the cgroups again by name).
+fn remove_cgroups(id: &SessionId, limits: Option<&LimitsHandle>) {
+    if let Some(Err(error)) = limits.map(LimitsHandle::remove) {
+        tracing::warn!(session = %id, "{error}");
+    }
+}
+
+/// The broker's `PATH`, the agent's unless configured otherwise.
+fn broker_path_var() -> String {
+    std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into())
 }
 
 /// Whether no process is left in the process group `pgid`.
@@ -785,6 +918,9 @@ impl SessionRuntime for LocalRuntime {
     }
 
     async fn list(&self) -> Result<Vec<SessionStatus>> {
+        if !self.has_root() {
+            return Ok(Vec::new());
+        }
         let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
         let mut ids: Vec<SessionId> = entries
             .flatten()
@@ -820,6 +956,9 @@ impl SessionRuntime for LocalRuntime {
 impl LocalRuntime {
     /// Sessions with live storage under the root.
     pub(crate) fn live_ids(&self) -> Result<Vec<SessionId>> {
+        if !self.has_root() {
+            return Ok(Vec::new());
+        }
         let entries = fs::read_dir(&self.settings.root).map_err(|e| storage_error("listing sessions", e))?;
         Ok(entries
             .flatten()

@@ -18,7 +18,7 @@ pub(crate) async fn provision(
 ) -> Result<()> {
     if let Some(template) = &settings.home_template {
         copy_tree(template, &dirs.home)
-            .map_err(|e| Error::backend(RUNTIME, false, "copying the HOME template into the session", e))?;
+            .map_err(|e| crate::backend_error(false, "copying the HOME template into the session", e))?;
     }
     if let Some(WorkspaceSeed::GitClone { url, reference }) = &options.workspace_seed {
         clone(url, reference.as_deref(), dirs).await?;
@@ -26,7 +26,7 @@ pub(crate) async fn provision(
     if let Some(uid) = uid {
         for dir in [&dirs.home, &dirs.workspace] {
             chown_tree(dir, uid)
-                .map_err(|e| Error::backend(RUNTIME, false, "handing seeded files to the session", e))?;
+                .map_err(|e| crate::backend_error(false, "handing seeded files to the session", e))?;
         }
     }
     Ok(())
@@ -86,7 +86,7 @@ async fn clone(url: &str, reference: Option<&str>, dirs: &SessionDirs) -> Result
     let output = command
         .output()
         .await
-        .map_err(|e| Error::backend(RUNTIME, false, "running git clone", e))?;
+        .map_err(|e| crate::backend_error(false, "running git clone", e))?;
     if output.status.success() {
         return Ok(());
     }

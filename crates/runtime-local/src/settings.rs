@@ -16,9 +16,6 @@ use crate::sandbox::Sandbox;
 pub(crate) struct LocalSettings {
     pub(crate) root: PathBuf,
     pub(crate) installation: String,
-    /// `<installation>@<root device>.<root inode>`: which workers are this runtime's. Two
-    /// runtimes of one installation with different roots never touch each other's workers.
-    pub(crate) scope: String,
     pub(crate) agent: AgentCommand,
     pub(crate) retention: RetentionPolicy,
     pub(crate) idle_ttl: Option<Duration>,
@@ -107,13 +104,15 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Per-session resource limits.
+    /// Per-session resource limits (checked in [`build`](Self::build), as
+    /// [`ResourceLimits::validate`] does).
     pub fn limits(mut self, limits: ResourceLimits) -> Self {
         self.local.limits = Some(limits);
         self
     }
 
-    /// How long an agent gets between SIGTERM and SIGKILL.
+    /// How long an agent gets between SIGTERM and SIGKILL; at most
+    /// [`LocalConfig::MAX_TERMINATE_GRACE`] (checked in [`build`](Self::build)).
     pub fn terminate_grace(mut self, grace: Duration) -> Self {
         self.local.terminate_grace = grace;
         self
@@ -131,12 +130,16 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Validates the configuration, picks the sandbox and prepares the root.
+    /// Validates the configuration and picks the sandbox. Writes nothing: the root is created
+    /// by the first [`create`](session_runtime::SessionRuntime::create) (mode 0711); a root
+    /// that exists is used as it is, never changed.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] naming the key for a bad installation, a relative root, an empty
-    /// agent command, or a sandbox that cannot work here (with how to fix it);
-    /// [`Error::Backend`] if the root cannot be created.
+    /// [`Error::InvalidConfig`] naming the key for a bad installation, a grace, idle TTL or
+    /// retention time above its documented maximum, an empty agent command, a
+    /// sandbox that cannot work here (with how to fix it), or a root that is relative, `/`, a
+    /// system directory, writable by every user or owned by another user (saying which);
+    /// [`Error::Backend`] if the root cannot be inspected.
     pub fn build(self) -> Result<LocalRuntime> {
         let invalid = |key: &str, reason: String| Error::InvalidConfig {
             key: key.into(),
@@ -144,6 +147,46 @@ impl LocalRuntimeBuilder {
         };
         SessionIdentity::new(self.installation.as_str(), "probe", "probe", "probe")
             .map_err(|e| invalid("session_runtime.installation", e.to_string()))?;
+        // The builder's setters bypass the configuration file's checks: the same bounds apply.
+        let too_long = |key: &str, value: Duration, max: Duration| {
+            invalid(
+                key,
+                format!(
+                    "{value:?} is longer than the most allowed, {max:?}; stopping and expiring sessions must end"
+                ),
+            )
+        };
+        if self.local.terminate_grace > LocalConfig::MAX_TERMINATE_GRACE {
+            return Err(too_long(
+                "session_runtime.local.terminate_grace",
+                self.local.terminate_grace,
+                LocalConfig::MAX_TERMINATE_GRACE,
+            ));
+        }
+        if let Some(ttl) = self
+            .idle_ttl
+            .filter(|ttl| *ttl > SessionRuntimeConfig::MAX_IDLE_TTL)
+        {
+            return Err(too_long(
+                "session_runtime.idle_ttl",
+                ttl,
+                SessionRuntimeConfig::MAX_IDLE_TTL,
+            ));
+        }
+        if let Some(keep) = self
+            .retention
+            .retain_for
+            .filter(|keep| *keep > RetentionPolicy::MAX_RETAIN_FOR)
+        {
+            return Err(too_long(
+                "session_runtime.retention.retain_for",
+                keep,
+                RetentionPolicy::MAX_RETAIN_FOR,
+            ));
+        }
+        if let Some(limits) = &self.local.limits {
+            limits.validate()?;
+        }
         if self.agent.program.trim().is_empty() {
             return Err(invalid("agent.command", "the agent command is empty".into()));
         }
@@ -171,7 +214,8 @@ impl LocalRuntimeBuilder {
             }
         }
         let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
-        let scope = prepare_root(&root, &self.installation)?;
+        // Checked, not created: reading sessions must not write; `create` makes the root.
+        crate::root::check(&root)?;
         if sandbox.isolation() == IsolationLevel::None {
             tracing::warn!(
                 root = %root.display(),
@@ -183,7 +227,6 @@ impl LocalRuntimeBuilder {
         let settings = LocalSettings {
             root,
             installation: self.installation,
-            scope,
             agent: self.agent,
             retention: self.retention,
             idle_ttl: self.idle_ttl,
@@ -206,13 +249,62 @@ fn default_root() -> Option<PathBuf> {
     Some(state.join("openab/sessions"))
 }
 
-/// Creates the root, traversable but not listable by others (0711): sessions reach their own
-/// directory by name only. Returns the runtime's scope (see [`LocalSettings::scope`]).
-fn prepare_root(root: &Path, installation: &str) -> Result<String> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let fail = |e| Error::backend(crate::RUNTIME, false, format!("preparing {}", root.display()), e);
-    std::fs::create_dir_all(root).map_err(fail)?;
-    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(fail)?;
-    let meta = std::fs::metadata(root).map_err(fail)?;
-    Ok(format!("{installation}@{}.{}", meta.dev(), meta.ino()))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graces_and_ttls_set_on_the_builder_are_bounded_too() {
+        let root = tempfile::tempdir().expect("root");
+        let builder = || {
+            LocalRuntime::builder(AgentCommand::new("agent"))
+                .root(root.path())
+                .sandbox(SandboxMode::None)
+        };
+        let forever = Duration::from_secs(100_000_000 * 365 * 24 * 3600);
+        let mut keep_forever = RetentionPolicy::default();
+        keep_forever.retain_for = Some(forever);
+        for (built, key) in [
+            (
+                builder().terminate_grace(forever).build(),
+                "session_runtime.local.terminate_grace",
+            ),
+            (
+                builder().idle_ttl(Some(forever)).build(),
+                "session_runtime.idle_ttl",
+            ),
+            (
+                builder().retention(keep_forever).build(),
+                "session_runtime.retention.retain_for",
+            ),
+        ] {
+            match built {
+                Err(Error::InvalidConfig { key: got, reason }) => {
+                    assert_eq!(got, key, "{reason}");
+                    assert!(reason.contains("longer than the most allowed"), "{reason}");
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        builder()
+            .terminate_grace(LocalConfig::MAX_TERMINATE_GRACE)
+            .build()
+            .expect("the maximum itself is allowed");
+    }
+
+    #[test]
+    fn limits_set_on_the_builder_are_checked_too() {
+        let root = tempfile::tempdir().expect("root");
+        let mut huge = ResourceLimits::default();
+        huge.cpu = Some(1e308);
+        let built = LocalRuntime::builder(AgentCommand::new("agent"))
+            .root(root.path())
+            .sandbox(SandboxMode::None)
+            .limits(huge)
+            .build();
+        match built {
+            Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "session_runtime.local.limits.cpu"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

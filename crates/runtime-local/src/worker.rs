@@ -14,6 +14,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
 use tokio::process::{ChildStdin, ChildStdout, Command};
 
 use crate::process::{self, ProcessRef};
+use crate::sandbox::LimitsHandle;
 
 /// Seconds since the epoch of the last byte through an attachment, shared with the runtime for
 /// idle detection.
@@ -44,10 +45,14 @@ pub(crate) struct Spawned {
 
 /// Spawns `command` (already carrying its program, arguments, environment and working directory)
 /// as the leader of a new process group, with stderr logged and the child reaped by a task.
+///
+/// `cgroups` are the worker's: a worker killed by SIGKILL while they record an OOM kill ended
+/// [`WorkerExit::OutOfMemory`], not by a plain signal.
 pub(crate) fn spawn(
     mut command: Command,
     id: SessionId,
     generation: Generation,
+    cgroups: Option<LimitsHandle>,
 ) -> std::result::Result<Spawned, WorkerFailure> {
     command
         .stdin(Stdio::piped())
@@ -73,14 +78,15 @@ pub(crate) fn spawn(
         let exit = exit.clone();
         tokio::spawn(async move {
             let status = child.wait().await;
-            exit.set(match status {
+            let ended = match status {
                 Ok(status) => match (status.code(), status.signal()) {
                     (Some(code), _) => WorkerExit::Code(code),
                     (None, Some(signal)) => WorkerExit::Signal(signal),
                     (None, None) => WorkerExit::Unknown,
                 },
                 Err(_) => WorkerExit::Unknown,
-            });
+            };
+            exit.set(classify_oom(ended, cgroups.as_ref()));
         });
     }
     let worker = Arc::new(LocalWorker {
@@ -94,6 +100,19 @@ pub(crate) fn spawn(
         stdout,
         stdin,
     })
+}
+
+/// `exit`, or [`WorkerExit::OutOfMemory`] if it is a SIGKILL (directly, or as `128 + 9` from
+/// bubblewrap or the Landlock helper, which report their child's signal as an exit code) and the
+/// kernel's OOM killer struck in the worker's cgroups.
+fn classify_oom(exit: WorkerExit, cgroups: Option<&LimitsHandle>) -> WorkerExit {
+    const SIGKILL: i32 = 9;
+    let killed = matches!(exit, WorkerExit::Signal(SIGKILL) | WorkerExit::Code(137));
+    if killed && cgroups.is_some_and(LimitsHandle::saw_oom_kill) {
+        WorkerExit::OutOfMemory
+    } else {
+        exit
+    }
 }
 
 /// Marks every descriptor of this process above stderr close-on-exec, so no worker inherits one.

@@ -145,10 +145,11 @@ impl Setup {
     }
 }
 
-/// Cgroups named after a session of the pool, anywhere under `/sys/fs/cgroup` (`openab-<id>`).
+/// Cgroups named after a session of the pool, anywhere under `/sys/fs/cgroup`
+/// (`openab-<id>-<root tag>`).
 fn session_cgroups(setup: &Setup) -> Vec<PathBuf> {
-    let names: Vec<String> = (0..THREADS)
-        .map(|t| format!("openab-{}", setup.identity(t).id()))
+    let prefixes: Vec<String> = (0..THREADS)
+        .map(|t| format!("openab-{}-", setup.identity(t).id()))
         .collect();
     let mut found = Vec::new();
     let mut queue = vec![(PathBuf::from("/sys/fs/cgroup"), 0)];
@@ -161,7 +162,7 @@ fn session_cgroups(setup: &Setup) -> Vec<PathBuf> {
                 continue;
             }
             let name = entry.file_name().to_string_lossy().into_owned();
-            if names.contains(&name) {
+            if prefixes.iter().any(|prefix| name.starts_with(prefix)) {
                 found.push(entry.path());
             } else if depth < 4 {
                 queue.push((entry.path(), depth + 1));
@@ -741,14 +742,13 @@ async fn recover_and_check(
         let left = wait_workers_gone(&scope, Some(&id));
         assert!(left.is_empty(), "suspend left {left:?}");
     }
-    // No session runs now, so no session's cgroup may be left.
-    if setup.pids_limit.is_some() {
-        let left = session_cgroups(setup);
-        assert!(
-            left.is_empty(),
-            "cgroups of stopped workers left behind: {left:?}\n{context}"
-        );
-    }
+    // No session runs now, so no session's cgroup may be left (every worker has cgroups where
+    // the broker can make them, with limits or without).
+    let left = session_cgroups(setup);
+    assert!(
+        left.is_empty(),
+        "cgroups of stopped workers left behind: {left:?}\n{context}"
+    );
 }
 
 /// Runs one phase with `setup` until `kills` kills landed inside the phase.

@@ -22,6 +22,10 @@ use session_runtime::{Error, IsolationLevel, SessionId, SessionIdentity};
 // `crate::RUNTIME`, as the sandbox module expects.
 use runtime_local::RUNTIME;
 
+// `crate::backend_error`, as the sandbox module expects.
+#[path = "../src/errors.rs"]
+mod errors;
+use errors::backend_error;
 #[allow(dead_code)]
 #[path = "../src/layout.rs"]
 mod layout;
@@ -31,7 +35,7 @@ mod sandbox;
 
 use layout::SessionDirs;
 use sandbox::bwrap::bwrap_args;
-use sandbox::cgroup::{cpu_quota_us, CgroupHost, CgroupV1, CgroupV2};
+use sandbox::cgroup::{cpu_quota_us, group_name, CgroupHost, CgroupV1, CgroupV2};
 use sandbox::host::{HostLayout, SystemEntry};
 use sandbox::landlock_exec::rules as landlock_rules_for;
 use sandbox::landlock_rules::{
@@ -102,6 +106,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         args: &args,
         dirs: &dirs,
         uid: Some(200_123),
+        join_cgroups: None,
     };
     let identity = IdentityFiles::at(&dirs.base);
     let argv = bwrap_args(
@@ -202,6 +207,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         args: &[],
         dirs: &dirs,
         uid: None,
+        join_cgroups: None,
     };
     let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
     let base = format!("/srv/s/{id}");
@@ -265,6 +271,7 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         args: &[],
         dirs: &dirs,
         uid: Some(200_001),
+        join_cgroups: None,
     };
     let error = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect_err("not root");
     assert!(
@@ -302,6 +309,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             args: &[],
             dirs: &dirs,
             uid: None,
+            join_cgroups: None,
         };
         let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
         let bind = vec![
@@ -325,6 +333,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             args: &[],
             dirs: &dirs,
             uid: None,
+            join_cgroups: None,
         };
         let argv =
             bwrap_args(&debian_layout(false), NetworkMode::Host, &[skills()], &spec, None).expect("argv");
@@ -348,6 +357,7 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         args: &args,
         dirs: &dirs,
         uid: Some(200_500),
+        join_cgroups: None,
     };
     let rules = landlock_rules_for(&debian_layout(true), &[skills()], &spec);
     for path in ["/usr", "/bin", "/etc", "/proc", "/opt/openab/skills"] {
@@ -652,8 +662,9 @@ fn storage_is_made_private_to_the_session() {
     let sandbox = Sandbox::detect(SandboxMode::None, NetworkMode::Host, &[]).expect("plain");
 
     let uid = if running_as_root() { Some(300_777) } else { None };
+    let root_mode = mode(root.path());
     sandbox.prepare_storage(&dirs, uid).expect("prepare");
-    assert_eq!(mode(root.path()), 0o711);
+    assert_eq!(mode(root.path()), root_mode, "the root is left as it was");
     for dir in [&dirs.workspace, &dirs.home, &dirs.state, &dirs.tmp] {
         assert_eq!(mode(dir), 0o700, "{}", dir.display());
     }
@@ -727,6 +738,7 @@ async fn run(sandbox: &Sandbox, session: &Session, script: &str) -> Output {
         args: &args,
         dirs: &session.dirs,
         uid: session.uid,
+        join_cgroups: None,
     };
     let paths = sandbox.worker_paths(&session.dirs);
     let mut command = sandbox.command(&spec).expect("command");
@@ -935,6 +947,7 @@ async fn bubblewrap_runs_an_agent_from_the_hosts_tmp() {
         args: &args,
         dirs: &a.dirs,
         uid: a.uid,
+        join_cgroups: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command
@@ -1157,9 +1170,13 @@ fn cgroup_v2_limits_are_written_where_delegated() {
         .spawn()
         .expect("sleep");
     let handle = host
-        .apply(&id, &limits(Some(64 << 20), Some(16), Some(0.5)), child.id())
+        .apply(
+            &group_name(&id, "test"),
+            &limits(Some(64 << 20), Some(16), Some(0.5)),
+            child.id(),
+        )
         .expect("apply");
-    let dir = parent.join(format!("openab-{id}"));
+    let dir = parent.join(group_name(&id, "test"));
     assert_eq!(handle.paths(), vec![dir.as_path()]);
     assert_eq!(read(&parent.join("cgroup.subtree_control")), "+memory +pids +cpu");
     assert_eq!(read(&dir.join("memory.max")), (64u64 << 20).to_string());
@@ -1170,6 +1187,11 @@ fn cgroup_v2_limits_are_written_where_delegated() {
     child.wait().expect("reap");
     assert_eq!(cpu_quota_us(0.001), 1000, "the kernel's minimum quota");
     assert_eq!(cpu_quota_us(2.0), 200_000);
+    assert_eq!(
+        cpu_quota_us(1e308),
+        (1 << 44) - 1,
+        "a huge limit never becomes the minimum"
+    );
 }
 
 #[test]
@@ -1179,7 +1201,11 @@ fn limits_without_a_controller_are_a_config_error() {
         v1: Vec::new(),
     };
     let error = host
-        .apply(&id("cg-none"), &limits(Some(1 << 30), None, None), 1)
+        .apply(
+            &group_name(&id("cg-none"), "test"),
+            &limits(Some(1 << 30), None, None),
+            1,
+        )
         .expect_err("no memory controller");
     assert_eq!(config_key(&error), "session_runtime.local.limits");
     assert!(error.to_string().contains("memory"), "{error}");
@@ -1226,7 +1252,9 @@ fn cgroup_limits_on_this_host() {
         .arg("30")
         .spawn()
         .expect("sleep");
-    let handle = sandbox.apply_limits(&id, &wanted, child.id()).expect("apply");
+    let handle = sandbox
+        .apply_limits(&group_name(&id, "test"), &wanted, child.id())
+        .expect("apply");
     let _cleanup = RemoveOnDrop(&handle);
     let paths: Vec<PathBuf> = handle.paths().into_iter().map(Path::to_path_buf).collect();
     eprintln!("/sys/fs/cgroup is {fs_type}; session cgroups: {paths:?}");
@@ -1271,7 +1299,7 @@ fn cgroup_limits_on_this_host() {
     assert!(usage.memory_bytes.is_some(), "{usage:?}");
     assert_eq!(usage.oom_kills, Some(0), "{usage:?}");
     let mut found: Vec<PathBuf> = sandbox
-        .existing_limits(&id)
+        .existing_limits(&group_name(&id, "test"))
         .expect("found again")
         .paths()
         .into_iter()
@@ -1290,7 +1318,7 @@ fn cgroup_limits_on_this_host() {
         assert!(!dir.exists(), "{} removed", dir.display());
     }
     handle.remove().expect("remove is idempotent");
-    assert_eq!(sandbox.existing_limits(&id), None);
+    assert_eq!(sandbox.existing_limits(&group_name(&id, "test")), None);
 }
 
 #[tokio::test]
@@ -1314,6 +1342,7 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         args: &args,
         dirs: &a.dirs,
         uid: a.uid,
+        join_cgroups: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command
@@ -1325,7 +1354,9 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         .process_group(0);
     let child = command.spawn().expect("spawn");
     let pid = child.id().expect("pid");
-    let handle = sandbox.apply_limits(&a.id, &wanted, pid).expect("apply");
+    let handle = sandbox
+        .apply_limits(&group_name(&a.id, "test"), &wanted, pid)
+        .expect("apply");
     let _cleanup = RemoveOnDrop(&handle);
     tokio::time::sleep(Duration::from_millis(500)).await;
     // bwrap, the sandbox's init and the shell are all inside.

@@ -90,7 +90,8 @@ pub struct SessionRuntimeConfig {
     pub installation: String,
     /// How long a session's worker may sit idle before `reconcile` suspends it (storage is kept).
     /// Default 30 minutes ([`SessionRuntimeConfig::DEFAULT_IDLE_TTL`]). A zero duration (`"0"`,
-    /// `"0s"`) is `None`: idle workers are never suspended by the runtime.
+    /// `"0s"`) is `None`: idle workers are never suspended by the runtime. At most
+    /// [`SessionRuntimeConfig::MAX_IDLE_TTL`].
     #[serde(with = "idle_ttl")]
     pub idle_ttl: Option<Duration>,
     /// What happens to a closed session's storage: the `[session_runtime.retention]` table.
@@ -129,6 +130,9 @@ impl SessionRuntimeConfig {
 
     /// The default [`idle_ttl`](Self::idle_ttl): 30 minutes.
     pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
+
+    /// The longest [`idle_ttl`](Self::idle_ttl): 365 days (`"0"` is the way to say never).
+    pub const MAX_IDLE_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
     /// Reads the `[session_runtime]` section of a whole OpenAB configuration file and validates it.
     ///
@@ -202,6 +206,22 @@ impl SessionRuntimeConfig {
                     self.runtime
                 ),
             ));
+        }
+        if let Some(ttl) = self.idle_ttl {
+            check_at_most(
+                "idle_ttl",
+                ttl,
+                Self::MAX_IDLE_TTL,
+                "; \"0\" never suspends for idleness",
+            )?;
+        }
+        if let Some(keep) = self.retention.retain_for {
+            check_at_most(
+                "retention.retain_for",
+                keep,
+                RetentionPolicy::MAX_RETAIN_FOR,
+                "; leave it out to keep retained storage until an operator removes it",
+            )?;
         }
         self.local.validate()?;
         if let Some(kubernetes) = &self.kubernetes {
@@ -280,7 +300,8 @@ pub struct LocalConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<ResourceLimits>,
     /// How long an agent may take to exit after SIGTERM before it is killed with SIGKILL.
-    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once.
+    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once; at
+    /// most [`LocalConfig::MAX_TERMINATE_GRACE`].
     #[serde(with = "serde_duration")]
     pub terminate_grace: Duration,
 }
@@ -303,8 +324,19 @@ impl LocalConfig {
     /// The default [`terminate_grace`](Self::terminate_grace): 5 seconds.
     pub const DEFAULT_TERMINATE_GRACE: Duration = Duration::from_secs(5);
 
-    /// Checks paths, mounts, limits and their agreement with the sandbox mode.
+    /// The longest [`terminate_grace`](Self::terminate_grace): 10 minutes. Stopping a session
+    /// (suspend, close, a signal to `oab-runtime run`) waits this long for an agent that ignores
+    /// SIGTERM, so it must end.
+    pub const MAX_TERMINATE_GRACE: Duration = Duration::from_secs(10 * 60);
+
+    /// Checks paths, mounts, limits, the grace and their agreement with the sandbox mode.
     fn validate(&self) -> Result<()> {
+        check_at_most(
+            "local.terminate_grace",
+            self.terminate_grace,
+            Self::MAX_TERMINATE_GRACE,
+            "",
+        )?;
         if let Some(root) = &self.root {
             check_absolute("local.root", root)?;
         }
@@ -547,19 +579,61 @@ pub struct ResourceLimits {
 }
 
 impl ResourceLimits {
-    /// Checks the ranges.
-    fn validate(&self) -> Result<()> {
-        if self.memory == Some(0) {
-            return Err(invalid("local.limits.memory", "must be more than zero"));
+    /// The smallest [`memory`](Self::memory) limit: one 4 KiB page.
+    pub const MIN_MEMORY: u64 = 4096;
+    /// The largest [`memory`](Self::memory) limit the kernel keeps as a limit (`i64::MAX`
+    /// bytes; above it cgroups silently mean "unlimited").
+    pub const MAX_MEMORY: u64 = i64::MAX as u64;
+    /// The largest [`pids`](Self::pids) limit: the kernel's `PID_MAX_LIMIT` (2^22); `pids.max`
+    /// refuses more.
+    pub const MAX_PIDS: u32 = 1 << 22;
+    /// The smallest [`cpu`](Self::cpu) limit: 0.01 cores, the kernel's minimum CFS quota of
+    /// 1 ms per 100 ms period.
+    pub const MIN_CPU: f64 = 0.01;
+    /// The largest [`cpu`](Self::cpu) limit: the kernel's largest CFS quota (2^44 - 1 µs) per
+    /// 100 ms period, about 175.9 million cores.
+    pub const MAX_CPU: f64 = 175_921_860.0;
+
+    /// Checks that every limit is one the kernel can represent: [`MIN_MEMORY`](Self::MIN_MEMORY)
+    /// to [`MAX_MEMORY`](Self::MAX_MEMORY) bytes, 1 to [`MAX_PIDS`](Self::MAX_PIDS) processes,
+    /// [`MIN_CPU`](Self::MIN_CPU) to [`MAX_CPU`](Self::MAX_CPU) cores. A value outside is refused
+    /// rather than rounded, clamped or wrapped into something else.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the key (`session_runtime.local.limits.cpu`, ...) and the
+    /// allowed range.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(memory) = self.memory {
+            if !(Self::MIN_MEMORY..=Self::MAX_MEMORY).contains(&memory) {
+                return Err(invalid(
+                    "local.limits.memory",
+                    format!(
+                        "must be {} to {} bytes, e.g. \"512Mi\" or \"2Gi\", found {memory}",
+                        Self::MIN_MEMORY,
+                        Self::MAX_MEMORY
+                    ),
+                ));
+            }
         }
-        if self.pids == Some(0) {
-            return Err(invalid("local.limits.pids", "must be at least 1"));
+        if let Some(pids) = self.pids {
+            if !(1..=Self::MAX_PIDS).contains(&pids) {
+                return Err(invalid(
+                    "local.limits.pids",
+                    format!("must be 1 to {}, found {pids}", Self::MAX_PIDS),
+                ));
+            }
         }
         if let Some(cpu) = self.cpu {
-            if !(cpu.is_finite() && cpu > 0.0) {
+            // `contains` is false for NaN too.
+            if !(Self::MIN_CPU..=Self::MAX_CPU).contains(&cpu) {
                 return Err(invalid(
                     "local.limits.cpu",
-                    format!("must be a number of cores more than zero, e.g. 0.5 or 2, found {cpu}"),
+                    format!(
+                        "must be a number of cores from {} to {}, e.g. 0.5 or 2, found {cpu}",
+                        Self::MIN_CPU,
+                        Self::MAX_CPU
+                    ),
                 ));
             }
         }
@@ -587,8 +661,9 @@ pub struct KubernetesConfig {
     /// How the broker reaches a worker's relay. Default [`Reach::PodIp`].
     #[serde(default)]
     pub reach: Reach,
-    /// How long a worker may take to become ready before the start fails. More than zero.
-    /// Default 120 seconds ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
+    /// How long a worker may take to become ready before the start fails. More than zero, at
+    /// most [`KubernetesConfig::MAX_START_TIMEOUT`]. Default 120 seconds
+    /// ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
     #[serde(default = "KubernetesConfig::default_start_timeout", with = "serde_duration")]
     pub start_timeout: Duration,
 }
@@ -596,6 +671,9 @@ pub struct KubernetesConfig {
 impl KubernetesConfig {
     /// The default [`start_timeout`](Self::start_timeout): 120 seconds.
     pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// The longest [`start_timeout`](Self::start_timeout): 1 hour.
+    pub const MAX_START_TIMEOUT: Duration = Duration::from_secs(3600);
 
     /// Settings for `namespace` and `profile`, with every other key at its default.
     pub fn new(namespace: impl Into<String>, profile: impl Into<String>) -> Self {
@@ -632,6 +710,12 @@ impl KubernetesConfig {
                 "must be more than zero, e.g. \"120s\"",
             ));
         }
+        check_at_most(
+            "kubernetes.start_timeout",
+            self.start_timeout,
+            Self::MAX_START_TIMEOUT,
+            "",
+        )?;
         Ok(())
     }
 }
@@ -844,6 +928,22 @@ fn check_absolute(key: &str, path: &Path) -> Result<()> {
 }
 
 /// An [`Error::InvalidConfig`] for `key`, given relative to the section (`local.root`).
+/// An [`Error::InvalidConfig`] for `key` if `duration` is longer than `max` (`hint` is appended
+/// to the reason).
+fn check_at_most(key: &str, duration: Duration, max: Duration, hint: &str) -> Result<()> {
+    if duration <= max {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        format!(
+            "{} is longer than the most allowed, {}{hint}",
+            values::format_duration(duration),
+            values::format_duration(max)
+        ),
+    ))
+}
+
 fn invalid(key: &str, reason: impl Into<String>) -> Error {
     Error::InvalidConfig {
         key: format!("{SECTION_NAME}.{key}"),

@@ -77,12 +77,17 @@ pub struct RetentionPolicy {
     /// How long storage is kept after a close whose reason is set to [`Retention::Retain`];
     /// `reconcile` deletes it once this has passed. `None` (the default, key absent) keeps
     /// retained storage until an operator deletes it. It has no effect on reasons set to
-    /// [`Retention::Delete`]. In TOML a duration string such as `"7d"` or `"12h"`.
+    /// [`Retention::Delete`]. In TOML a duration string such as `"7d"` or `"12h"`; at most
+    /// [`RetentionPolicy::MAX_RETAIN_FOR`].
     #[serde(with = "serde_duration::option", skip_serializing_if = "Option::is_none")]
     pub retain_for: Option<Duration>,
 }
 
 impl RetentionPolicy {
+    /// The longest [`retain_for`](Self::retain_for) a configuration may set: 3650 days (about
+    /// ten years); leave it out to keep retained storage until an operator removes it.
+    pub const MAX_RETAIN_FOR: Duration = Duration::from_secs(3650 * 24 * 3600);
+
     /// What to do with the storage of a session closed for `reason`.
     pub fn for_reason(&self, reason: CloseReason) -> Retention {
         match reason {

@@ -186,7 +186,7 @@ retain_for = "90s"
 sandbox = "bubblewrap"
 network = "none"
 home_template = "/etc/openab/home"
-terminate_grace = "1h30m"
+terminate_grace = "2m30s"
 [local.limits]
 memory = "2Gi"
 pids = 512
@@ -221,10 +221,7 @@ start_timeout = "5m"
         config.local.home_template.as_deref(),
         Some(Path::new("/etc/openab/home"))
     );
-    assert_eq!(
-        config.local.terminate_grace,
-        Duration::from_secs(HOUR + 30 * MINUTE)
-    );
+    assert_eq!(config.local.terminate_grace, Duration::from_secs(2 * MINUTE + 30));
     let limits = config.local.limits.as_ref().unwrap();
     assert_eq!(limits.memory, Some(2 * 1024 * 1024 * 1024));
     assert_eq!(limits.pids, Some(512));
@@ -638,5 +635,68 @@ fn serialization_round_trips() {
             config,
             "{text}"
         );
+    }
+}
+
+#[test]
+fn every_grace_and_timeout_is_bounded() {
+    let kubernetes = "[kubernetes]\nnamespace = \"s\"\nprofile = \"p\"\n";
+    for (section, key, max) in [
+        (
+            "idle_ttl = \"{}\"".to_owned(),
+            "session_runtime.idle_ttl",
+            SessionRuntimeConfig::MAX_IDLE_TTL,
+        ),
+        (
+            "[retention]\nretain_for = \"{}\"".to_owned(),
+            "session_runtime.retention.retain_for",
+            RetentionPolicy::MAX_RETAIN_FOR,
+        ),
+        (
+            "[local]\nterminate_grace = \"{}\"".to_owned(),
+            "session_runtime.local.terminate_grace",
+            session_runtime::config::LocalConfig::MAX_TERMINATE_GRACE,
+        ),
+        (
+            format!("{kubernetes}start_timeout = \"{{}}\""),
+            "session_runtime.kubernetes.start_timeout",
+            KubernetesConfig::MAX_START_TIMEOUT,
+        ),
+    ] {
+        let at_max = section.replace("{}", &format!("{}s", max.as_secs()));
+        SessionRuntimeConfig::from_toml_section(&at_max)
+            .unwrap_or_else(|e| panic!("{key} at its maximum: {e}"));
+        for over in [format!("{}s", max.as_secs() + 1), "100000000y".to_owned()] {
+            let reason = section_error(&section.replace("{}", &over), key);
+            assert!(reason.contains("longer than the most allowed"), "{key}: {reason}");
+        }
+    }
+}
+
+#[test]
+fn limits_the_kernel_cannot_represent_are_refused() {
+    for (body, key) in [
+        ("cpu = 1e308", "session_runtime.local.limits.cpu"),
+        ("cpu = 0.001", "session_runtime.local.limits.cpu"),
+        ("cpu = 175921861.0", "session_runtime.local.limits.cpu"),
+        ("pids = 4194305", "session_runtime.local.limits.pids"),
+        // 2^63 bytes: one above i64::MAX, which cgroups would read as "unlimited".
+        ("memory = \"8192Pi\"", "session_runtime.local.limits.memory"),
+        ("memory = 1", "session_runtime.local.limits.memory"),
+    ] {
+        let reason = section_error(&format!("[local.limits]\n{body}"), key);
+        assert!(reason.contains("must be"), "{body}: {reason}");
+    }
+    for body in [
+        "cpu = 0.01",
+        "cpu = 175921860.0",
+        "pids = 4194304",
+        "memory = \"8Ei\"",
+    ] {
+        let section = format!("[local.limits]\n{body}");
+        if let Err(error) = SessionRuntimeConfig::from_toml_section(&section) {
+            // "8Ei" is one byte above i64::MAX: refused as well, for the same reason.
+            assert!(body.contains("8Ei"), "{body}: {error}");
+        }
     }
 }

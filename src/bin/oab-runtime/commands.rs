@@ -2,13 +2,10 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use openab_runtime::{
-    AgentCommand, AgentOutput, CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime,
-    SessionStatus, StorageState, SuspendReason,
+    AgentCommand, CloseReason, Error, SessionId, SessionRuntime, SessionStatus, StorageState, SuspendReason,
 };
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::settings::Settings;
 use crate::{Cli, CloseArg, Command, SuspendArg};
@@ -24,7 +21,7 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             thread,
             agent,
             argv,
-        } => run(settings, &platform, &thread, &agent, argv).await,
+        } => crate::run::run(settings, &platform, &thread, &agent, argv).await,
         Command::Ls => ls(&runtime(&settings, None)?).await,
         Command::Status { id } => {
             let status = runtime(&settings, None)?.status(&session_id(&id)?).await?;
@@ -39,9 +36,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             Ok(ExitCode::SUCCESS)
         }
         Command::Close { id, reason } => {
-            runtime(&settings, None)?
-                .close(&session_id(&id)?, close_reason(reason))
-                .await?;
+            let runtime = runtime(&settings, None)?;
+            let id = session_id(&id)?;
+            // Closing is idempotent, so an unknown id is no error; but it is not a close either.
+            if let Err(Error::NotFound { .. }) = runtime.status(&id).await {
+                println!("nothing to close: there is no session {id} (it never existed here, or its storage is already gone)");
+                return Ok(ExitCode::SUCCESS);
+            }
+            runtime.close(&id, close_reason(reason)).await?;
             println!("closed {id}");
             Ok(ExitCode::SUCCESS)
         }
@@ -157,117 +159,6 @@ fn row(status: &SessionStatus) -> String {
         "{:<20}  {:<9}  {:>4}  {:<32}  {storage}",
         status.id, status.state, status.generation, worker
     )
-}
-
-async fn run(
-    settings: Settings,
-    platform: &str,
-    thread: &str,
-    agent_name: &str,
-    argv: Vec<String>,
-) -> Outcome {
-    let agent = argv
-        .split_first()
-        .map(|(program, args)| AgentCommand::new(program).args(args.iter().cloned()));
-    let runtime = runtime(&settings, agent)?;
-    let identity = SessionIdentity::new(
-        settings.runtime.installation.as_str(),
-        agent_name,
-        platform,
-        thread,
-    )?;
-    let handle = runtime.create(&identity, &CreateOptions::new()).await?;
-    eprintln!(
-        "session {} ({}, generation {}); attaching...",
-        handle.id,
-        if handle.created { "created" } else { "existing" },
-        handle.generation
-    );
-    let mut attachment = runtime.attach(&handle.id).await?;
-    eprintln!(
-        "attached: worker {} generation {}, cwd {}; speak ACP on stdin (one JSON-RPC message per line)",
-        attachment.control().worker_id(),
-        attachment.generation(),
-        attachment.working_dir()
-    );
-    let input = attachment.input();
-    let mut to_agent = tokio::spawn(async move {
-        let mut lines = BufReader::new(tokio::io::stdin()).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
-            if line.trim().is_empty() {
-                continue;
-            }
-            if let Err(error) = input.write_line(line).await {
-                eprintln!("oab-runtime: writing to the agent: {error}");
-                break;
-            }
-        }
-        let _ = input.close().await;
-    });
-    let mut stdout = tokio::io::stdout();
-    // The agent's output until it ends, Ctrl-C, or (after our stdin ended) a quiet spell: real
-    // agents keep running at stdin EOF, so waiting for their output to end could be forever.
-    let mut stdin_ended = false;
-    let mut buffer = vec![0u8; 64 * 1024];
-    let copied: std::io::Result<()> = loop {
-        let quiet_limit = stdin_ended.then_some(DRAIN_AFTER_STDIN_EOF);
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => break Ok(()),
-            _ = &mut to_agent, if !stdin_ended => stdin_ended = true,
-            read = read_within(attachment.output(), &mut buffer, quiet_limit) => match read {
-                Ok(Some(0)) => break Ok(()),
-                Ok(Some(n)) => {
-                    if let Err(error) = stdout.write_all(&buffer[..n]).await {
-                        break Err(error);
-                    }
-                    let _ = stdout.flush().await;
-                }
-                Ok(None) => {
-                    eprintln!(
-                        "stdin ended and the agent was quiet for {DRAIN_AFTER_STDIN_EOF:?}; suspending"
-                    );
-                    break Ok(());
-                }
-                Err(error) => break Err(error),
-            },
-        }
-    };
-    let _ = stdout.flush().await;
-    to_agent.abort();
-    let exit = attachment.control();
-    drop(attachment);
-    runtime.suspend(&handle.id, SuspendReason::Shutdown).await?;
-    eprintln!(
-        "session {} suspended ({})",
-        handle.id,
-        if exit.is_alive() {
-            "worker stopped"
-        } else {
-            "worker ended"
-        }
-    );
-    copied?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// How long `run` keeps relaying the agent's output after its own stdin ended, once the agent
-/// falls quiet.
-const DRAIN_AFTER_STDIN_EOF: Duration = Duration::from_secs(2);
-
-/// Reads from `output`; `Ok(None)` if `limit` passes without a byte.
-async fn read_within(
-    output: &mut AgentOutput,
-    buffer: &mut [u8],
-    limit: Option<Duration>,
-) -> std::io::Result<Option<usize>> {
-    let read = output.read(buffer);
-    match limit {
-        None => read.await.map(Some),
-        Some(limit) => match tokio::time::timeout(limit, read).await {
-            Ok(read) => read.map(Some),
-            Err(_) => Ok(None),
-        },
-    }
 }
 
 pub(crate) fn test_agent(args: &[String]) -> ExitCode {

@@ -6,6 +6,7 @@
 
 mod commands;
 mod controller;
+mod run;
 mod settings;
 mod verify;
 
@@ -38,8 +39,9 @@ enum Command {
         root: Option<PathBuf>,
     },
     /// Create (or reuse) the session of a thread, attach, and pipe the agent's ACP stdio to this
-    /// terminal. When stdin ends, the session is suspended once the agent's output ends or falls
-    /// quiet for two seconds.
+    /// terminal. Ends, always suspending the session first, when the agent ends (exit status: the
+    /// agent's), when stdin has ended and the agent's output falls quiet for two seconds (0), or on
+    /// SIGTERM, SIGHUP or SIGINT (128 + the signal). 127 if the agent cannot be started.
     Run {
         /// The platform part of the identity, e.g. `discord`.
         #[arg(long)]
@@ -69,7 +71,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = SuspendArg::Idle)]
         reason: SuspendArg,
     },
-    /// End a session and apply the retention policy for the reason.
+    /// End a session and apply the retention policy for the reason. A session that does not exist
+    /// is reported as such ("nothing to close"), with exit status 0: closing is idempotent.
     Close {
         /// The session id.
         id: String,
@@ -145,8 +148,22 @@ fn main() -> ExitCode {
     match runtime.block_on(commands::dispatch(cli)) {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("oab-runtime: {error}");
+            eprintln!("oab-runtime: {}", with_causes(error.as_ref()));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `error` and every cause in its chain that its message does not already show.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        let shown = inner.to_string();
+        if !text.contains(&shown) {
+            text = format!("{text}: {shown}");
+        }
+        cause = inner.source();
+    }
+    text
 }

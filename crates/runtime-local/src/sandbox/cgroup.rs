@@ -29,6 +29,9 @@ const BROKER_LEAF: &str = "openab-broker";
 /// The CFS period used for cpu limits, in microseconds.
 const CPU_PERIOD_US: u64 = 100_000;
 
+/// How many times removing a cgroup kills its members and tries again (5 ms apart).
+const REMOVE_ATTEMPTS: usize = 200;
+
 /// How many times the worker's process tree is rescanned until every member is in the cgroup.
 const MOVE_ROUNDS: usize = 20;
 
@@ -100,9 +103,11 @@ struct Group {
 }
 
 /// A session's cgroups. Dropping the handle leaves them; [`LimitsHandle::remove`] removes them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct LimitsHandle {
     groups: Vec<Group>,
+    /// What was written into them (for error messages).
+    limits: ResourceLimits,
 }
 
 /// What a session's processes use now; `None` where the controller is not in use.
@@ -116,9 +121,54 @@ pub(crate) struct LimitsUsage {
     pub(crate) oom_kills: Option<u64>,
 }
 
-/// The name of `id`'s cgroups.
-fn group_name(id: &SessionId) -> String {
-    format!("openab-{id}")
+/// The name of the cgroups of session `id` of the runtime whose root is `root_tag` (its device
+/// and inode, see `LocalRuntime::root_tag`): two runtimes of one installation on different
+/// roots compute the same session ids, and must never share, limit or kill each other's
+/// cgroups.
+pub(crate) fn group_name(id: &SessionId, root_tag: &str) -> String {
+    format!("openab-{id}-{root_tag}")
+}
+
+/// The shell that joins a worker to its cgroups before it executes anything else.
+const SHELL: &str = "/bin/sh";
+
+/// `$0` of that shell: what its own error messages are prefixed with.
+const JOIN_NAME: &str = "oab-join-cgroup";
+
+/// Writes its own pid into each of the `$1` files that follow, then executes the rest of its
+/// arguments. Only shell built-ins run before the `exec`, so the worker is in its cgroups before
+/// its first instruction (and before anything it could fork). 125: a cgroup could not be joined.
+const JOIN_SCRIPT: &str = r#"n=$1; shift
+while [ "$n" -gt 0 ]; do
+  echo $$ > "$1" || exit 125
+  n=$((n - 1)); shift
+done
+exec "$@""#;
+
+/// Whether [`join_at_exec`] can be used on this host.
+pub(crate) fn can_join_at_exec() -> bool {
+    super::host::is_executable(Path::new(SHELL))
+}
+
+/// `command` (a program and arguments, nothing else set yet), run so that it joins the cgroups
+/// whose `cgroup.procs` files are `procs` before its program starts: through `/bin/sh`, which
+/// writes its pid into each and then executes the program in its place (same pid, same
+/// environment, same descriptors).
+///
+/// No `unsafe` `pre_exec` hook is needed (this crate forbids `unsafe`), and cgroup v2's
+/// `CLONE_INTO_CGROUP` is not available to `std`'s spawn.
+pub(crate) fn join_at_exec(command: &tokio::process::Command, procs: &[PathBuf]) -> tokio::process::Command {
+    let inner = command.as_std();
+    let mut joined = tokio::process::Command::new(SHELL);
+    joined
+        .arg("-c")
+        .arg(JOIN_SCRIPT)
+        .arg(JOIN_NAME)
+        .arg(procs.len().to_string())
+        .args(procs)
+        .arg(inner.get_program())
+        .args(inner.get_args());
+    joined
 }
 
 /// The error for limits that cannot be applied on this host.
@@ -145,7 +195,7 @@ fn cgroup_error(limits: &ResourceLimits, what: String, error: io::Error) -> Erro
         io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
             unusable(limits, &format!("{what}: {error}"))
         }
-        _ => Error::backend(crate::RUNTIME, true, what, error),
+        _ => crate::backend_error(true, what, error),
     }
 }
 
@@ -355,25 +405,22 @@ impl CgroupHost {
         result
     }
 
-    /// See [`Sandbox::apply_limits`](super::Sandbox::apply_limits).
-    pub(crate) fn apply(
-        &self,
-        id: &SessionId,
-        limits: &ResourceLimits,
-        pid: u32,
-    ) -> Result<LimitsHandle, Error> {
-        let groups = self
-            .plan(&group_name(id), limits)
-            .map_err(|why| unusable(limits, &why))?;
+    /// See [`Sandbox::prepare_limits`](super::Sandbox::prepare_limits).
+    pub(crate) fn prepare(&self, name: &str, limits: &ResourceLimits) -> Result<LimitsHandle, Error> {
+        let groups = self.plan(name, limits).map_err(|why| unusable(limits, &why))?;
         self.create(&groups, limits)?;
-        let handle = LimitsHandle { groups };
-        if let Err(error) = handle.adopt_tree(pid) {
+        Ok(LimitsHandle {
+            groups,
+            limits: limits.clone(),
+        })
+    }
+
+    /// See [`Sandbox::apply_limits`](super::Sandbox::apply_limits).
+    pub(crate) fn apply(&self, name: &str, limits: &ResourceLimits, pid: u32) -> Result<LimitsHandle, Error> {
+        let handle = self.prepare(name, limits)?;
+        if let Err(error) = handle.adopt(pid) {
             let _ = handle.remove();
-            return Err(cgroup_error(
-                limits,
-                format!("moving session {id}'s worker into its cgroup"),
-                error,
-            ));
+            return Err(error);
         }
         Ok(handle)
     }
@@ -385,20 +432,23 @@ impl CgroupHost {
             .plan(&format!("openab-probe-{}", std::process::id()), limits)
             .map_err(|why| unusable(limits, &why))?;
         self.create(&groups, limits)?;
-        LimitsHandle { groups }.remove()
+        LimitsHandle {
+            groups,
+            limits: limits.clone(),
+        }
+        .remove()
     }
 
     /// The cgroups named for `id` that exist, if any.
     #[allow(dead_code)] // see `Sandbox::existing_limits`
-    pub(crate) fn existing(&self, id: &SessionId) -> Option<LimitsHandle> {
-        let name = group_name(id);
+    pub(crate) fn existing(&self, name: &str) -> Option<LimitsHandle> {
         let v2 = self.v2.iter().map(|v2| Group {
-            dir: v2.parent.join(&name),
+            dir: v2.parent.join(name),
             v2: true,
             controllers: Controller::ALL.to_vec(),
         });
         let v1 = self.v1.iter().map(|h| Group {
-            dir: h.parent.join(&name),
+            dir: h.parent.join(name),
             v2: false,
             controllers: Controller::ALL
                 .into_iter()
@@ -406,7 +456,10 @@ impl CgroupHost {
                 .collect(),
         });
         let groups: Vec<Group> = v2.chain(v1).filter(|g| g.dir.is_dir()).collect();
-        (!groups.is_empty()).then_some(LimitsHandle { groups })
+        (!groups.is_empty()).then_some(LimitsHandle {
+            groups,
+            limits: ResourceLimits::default(),
+        })
     }
 }
 
@@ -511,28 +564,21 @@ fn write_limits(group: &Group, limits: &ResourceLimits) -> io::Result<()> {
     Ok(())
 }
 
-/// The CFS quota per [`CPU_PERIOD_US`] for `cores` (at least the kernel's minimum of 1 ms).
+/// The kernel's smallest CFS quota, in microseconds.
+const MIN_CPU_QUOTA_US: u64 = 1000;
+/// The kernel's largest CFS quota, in microseconds.
+const MAX_CPU_QUOTA_US: u64 = (1 << 44) - 1;
+
+/// The CFS quota per [`CPU_PERIOD_US`] for `cores`, within what the kernel accepts. `cores` is
+/// validated ([`ResourceLimits::validate`]) to need no clamping; the clamp only keeps a value
+/// that slipped through from turning into a different limit than the nearest one (never the
+/// minimum for a huge value).
 pub(crate) fn cpu_quota_us(cores: f64) -> u64 {
     let quota = (cores * CPU_PERIOD_US as f64).round();
-    if quota.is_finite() && quota >= 1000.0 {
-        // In range: `cores` was validated finite and positive, and quotas beyond u64 are absurd.
-        quota.min(u64::MAX as f64) as u64
-    } else {
-        1000
+    if quota.is_nan() {
+        return MIN_CPU_QUOTA_US;
     }
-}
-
-/// Whether `pid` is gone or on its way out: a zombie, or past releasing its memory (its
-/// environment reads empty; a worker's never is, it carries the runtime's marker).
-fn is_exiting(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return true;
-    };
-    let state = stat
-        .rfind(')')
-        .and_then(|end| stat[end + 1..].split_whitespace().next());
-    matches!(state, None | Some("Z" | "X" | "x"))
-        || std::fs::read(format!("/proc/{pid}/environ")).map_or(true, |env| env.is_empty())
+    quota.clamp(MIN_CPU_QUOTA_US as f64, MAX_CPU_QUOTA_US as f64) as u64
 }
 
 /// `pid`'s parent, from `/proc/<pid>/stat`.
@@ -564,6 +610,39 @@ fn process_tree(root: u32) -> io::Result<Vec<u32>> {
 }
 
 impl LimitsHandle {
+    /// The `cgroup.procs` file of every group, for [`join_at_exec`].
+    pub(crate) fn procs_files(&self) -> Vec<PathBuf> {
+        self.groups.iter().map(|g| g.dir.join("cgroup.procs")).collect()
+    }
+
+    /// Moves the running `pid` and all its descendants in (when the worker could not join at
+    /// exec: it ran, briefly, outside).
+    ///
+    /// # Errors
+    ///
+    /// As for [`Sandbox::apply_limits`](super::Sandbox::apply_limits).
+    pub(crate) fn adopt(&self, pid: u32) -> Result<(), Error> {
+        self.adopt_tree(pid).map_err(|error| {
+            cgroup_error(
+                &self.limits,
+                format!("moving worker {pid} into its cgroup"),
+                error,
+            )
+        })
+    }
+
+    /// Whether the process `pid` is in every one of these cgroups.
+    pub(crate) fn holds(&self, pid: u32) -> bool {
+        self.groups
+            .iter()
+            .all(|group| members(&group.dir).is_ok_and(|members| members.contains(&pid)))
+    }
+
+    /// Whether the kernel killed a process in these cgroups for exceeding the memory limit.
+    pub(crate) fn saw_oom_kill(&self) -> bool {
+        self.usage().oom_kills.is_some_and(|kills| kills > 0)
+    }
+
     /// Moves `pid` and its descendants into every group, rescanning until a scan finds no process
     /// not yet moved: a process forked by a member after the member moved is born inside, so the
     /// last scan proves the whole tree is in (e.g. bubblewrap's sandbox children).
@@ -642,15 +721,15 @@ impl LimitsHandle {
                     Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                     Err(e)
                         if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
-                            && attempt < 20 =>
+                            && attempt < REMOVE_ATTEMPTS =>
                     {
                         attempt += 1;
                         kill_members(&group.dir);
-                        std::thread::sleep(Duration::from_millis(50));
+                        // Killed processes leave within moments; short steps keep a stop quick.
+                        std::thread::sleep(Duration::from_millis(5));
                     }
                     Err(e) => {
-                        return Err(Error::backend(
-                            crate::RUNTIME,
+                        return Err(crate::backend_error(
                             true,
                             format!("removing cgroup {}", group.dir.display()),
                             e,
@@ -660,35 +739,6 @@ impl LimitsHandle {
             }
         }
         Ok(())
-    }
-
-    /// Removes the cgroups that are empty, and leaves any that still has a process alone (its
-    /// name is all that ties it to the session, so a member may be another runtime's: one of
-    /// the same installation on another root computes the same session ids). For cgroups found
-    /// by [`CgroupHost::existing`] after a broker was killed. Returns whether all are gone.
-    ///
-    /// Members that are only exiting (killed workers not yet reaped by whoever inherited them)
-    /// are waited for, up to a few seconds.
-    pub(crate) fn remove_if_empty(&self) -> bool {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        self.groups.iter().fold(true, |gone, group| {
-            let removed = loop {
-                // `rmdir` of a cgroup with members fails (`EBUSY`) and changes nothing.
-                match std::fs::remove_dir(&group.dir) {
-                    Ok(()) => break true,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => break true,
-                    Err(e) if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) => {
-                        let exiting = members(&group.dir).is_ok_and(|m| m.into_iter().all(is_exiting));
-                        if !exiting || std::time::Instant::now() >= deadline {
-                            break false;
-                        }
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    Err(_) => break false,
-                }
-            };
-            gone && removed
-        })
     }
 }
 

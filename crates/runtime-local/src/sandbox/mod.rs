@@ -9,7 +9,8 @@
 //! 2. [`Sandbox::prepare_storage`]: the session's directories made private to that uid;
 //! 3. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
 //!    environment, stdio and process group, and spawns it);
-//! 4. [`Sandbox::apply_limits`]: optional cgroup limits for the started worker;
+//! 4. [`Sandbox::prepare_limits`] (before 3): the session's cgroups, with optional limits,
+//!    which the worker joins before its program starts;
 //! 5. [`Sandbox::release_uid`] when the session's storage is gone.
 //!
 //! # Modes
@@ -56,9 +57,12 @@
 //!
 //! # Limits
 //!
-//! [`Sandbox::apply_limits`] creates one cgroup per session (`openab-<session id>`, beside the
-//! broker's own cgroup) on cgroup v2, v1, or both (hybrid hosts: each controller from the
-//! hierarchy that has it, v2 preferred), and moves the worker and all its descendants in.
+//! [`Sandbox::prepare_limits`] creates one cgroup per session (`openab-<session id>-<root
+//! device>.<root inode>`, beside the broker's own cgroup) on cgroup v2, v1, or both (hybrid
+//! hosts: each controller from the hierarchy that has it, v2 preferred). The worker joins it
+//! before its program starts ([`LaunchSpec::join_cgroups`]), so a limit holds from the agent's
+//! first instruction and nothing it forks, detaches or re-executes with a clean environment can
+//! leave the session: stopping the worker kills what is left in the cgroup.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -163,6 +167,9 @@ pub(crate) struct LaunchSpec<'a> {
     pub(crate) dirs: &'a SessionDirs,
     /// The session's uid from [`Sandbox::allocate_uid`], if any.
     pub(crate) uid: Option<u32>,
+    /// The `cgroup.procs` files of cgroups the worker joins before its program starts (see
+    /// [`Sandbox::joins_cgroups_at_exec`]); `None` to start it where the broker is.
+    pub(crate) join_cgroups: Option<&'a [PathBuf]>,
 }
 
 /// Overrides for [`Sandbox::detect_with`]; the defaults find everything on the host.
@@ -364,6 +371,57 @@ impl Sandbox {
         }
     }
 
+    /// Why the agent `program` cannot be found where the worker will look for it: as a path
+    /// (relative ones from the working directory), or by name on `path_var` (the worker's `PATH`).
+    /// `None` when it may be there. This only catches what is certainly missing, before anything
+    /// starts, so that a missing agent fails the same way (`ENOENT`) in every mode: run by
+    /// bubblewrap or Landlock, the failed exec would otherwise be reported by a helper inside the
+    /// sandbox (after the worker started), and Landlock turns a search of `PATH` through
+    /// directories it hides into `EACCES`.
+    ///
+    /// With bubblewrap, a path inside the sandbox's own directories or read-only inputs is
+    /// checked at its host path.
+    pub(crate) fn missing_program(
+        &self,
+        program: &str,
+        path_var: &str,
+        dirs: &SessionDirs,
+    ) -> Option<std::io::Error> {
+        let exists = |candidate: &Path| {
+            let candidate = match self.kind() {
+                SandboxKind::Bubblewrap => self.host_path_of(candidate, dirs),
+                SandboxKind::None | SandboxKind::Landlock => candidate.to_path_buf(),
+            };
+            std::fs::metadata(candidate).is_ok_and(|meta| !meta.is_dir())
+        };
+        let in_workspace = |path: &Path| match self.kind() {
+            SandboxKind::Bubblewrap => Path::new(SANDBOX_WORKSPACE).join(path),
+            SandboxKind::None | SandboxKind::Landlock => dirs.workspace.join(path),
+        };
+        let found = if program.contains('/') {
+            exists(&in_workspace(Path::new(program)))
+        } else {
+            std::env::split_paths(path_var).any(|dir| exists(&in_workspace(&dir.join(program))))
+        };
+        (!found).then(|| std::io::Error::from_raw_os_error(rustix::io::Errno::NOENT.raw_os_error()))
+    }
+
+    /// The host path behind `path` as a bubblewrap sandbox shows it: its own directories and
+    /// read-only inputs are bound from elsewhere; everything else it shows is the host's.
+    fn host_path_of(&self, path: &Path, dirs: &SessionDirs) -> PathBuf {
+        let own = [
+            (Path::new(SANDBOX_WORKSPACE), dirs.workspace.as_path()),
+            (Path::new(SANDBOX_HOME), dirs.home.as_path()),
+            (Path::new(SANDBOX_STATE), dirs.state.as_path()),
+            (Path::new(SANDBOX_TMP), dirs.tmp.as_path()),
+        ];
+        let readonly = self.inner.readonly.iter().map(|m| (m.target(), m.host()));
+        own.into_iter()
+            .chain(readonly)
+            .find_map(|(shown, host)| Some(host.join(path.strip_prefix(shown).ok()?)))
+            .unwrap_or_else(|| path.to_path_buf())
+    }
+
     /// Whether sessions get a uid of their own: the broker runs as root and the mode isolates.
     fn allocates_uids(&self) -> bool {
         self.inner.layout.root && self.kind() != SandboxKind::None
@@ -423,13 +481,34 @@ impl Sandbox {
     /// directories (workspace, home, state, tmp) mode 0700 and, with a `uid`, owned by it
     /// (recursively, without following links, the first time: e.g. a copied HOME template); the
     /// session's base directory 0700 (with a `uid`: 0710, group `uid`, so the agent can reach its
-    /// directories in Landlock mode but not list the base or read the record); the parent `root`
-    /// 0711 (traversable, not listable).
+    /// directories in Landlock mode but not list the base or read the record). The root is not
+    /// changed (it may not be the runtime's to change).
     ///
     /// # Errors
     ///
-    /// [`Error::Backend`] if a directory cannot be changed.
+    /// [`Error::Backend`] if a directory cannot be changed, or (not retryable) if Landlock would
+    /// run the agent as the session's uid but the root does not let other users pass (no
+    /// `o+x`), so the agent could not reach its own directories.
     pub(crate) fn prepare_storage(&self, dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
+        if let (SandboxKind::Landlock, Some(_), Some(root)) = (self.kind(), uid, dirs.base.parent()) {
+            use std::os::unix::fs::MetadataExt;
+            let mode = std::fs::metadata(root)
+                .map_err(|e| crate::backend_error(true, format!("inspecting {}", root.display()), e))?
+                .mode();
+            if mode & 0o001 == 0 {
+                return Err(Error::Backend {
+                    runtime: crate::RUNTIME,
+                    retryable: false,
+                    message: format!(
+                        "the session root {} does not let other users pass (mode {:o}), so a Landlock \
+                         session's own user cannot reach its directories; allow it (chmod o+x, e.g. 0711)",
+                        root.display(),
+                        mode & 0o7777
+                    ),
+                    source: None,
+                });
+            }
+        }
         storage::prepare(dirs, uid)
     }
 
@@ -446,6 +525,23 @@ impl Sandbox {
     /// cannot switch to it, or Landlock would run the agent as root (no uid while the broker is
     /// root); [`Error::Backend`] if the generated identity files cannot be written.
     pub(crate) fn command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
+        let command = self.confined_command(spec)?;
+        Ok(match spec.join_cgroups {
+            Some(procs) if self.joins_cgroups_at_exec(spec.uid) => cgroup::join_at_exec(&command, procs),
+            _ => command,
+        })
+    }
+
+    /// Whether a worker of a session with `uid` can join its cgroups before its program starts
+    /// ([`LaunchSpec::join_cgroups`]): the joining shell runs as the broker (in plain mode with a
+    /// uid it would run as that uid, which may not write to cgroups), and `/bin/sh` exists.
+    /// Otherwise [`LimitsHandle::adopt`] moves the worker in once it runs.
+    pub(crate) fn joins_cgroups_at_exec(&self, uid: Option<u32>) -> bool {
+        !(self.kind() == SandboxKind::None && uid.is_some()) && cgroup::can_join_at_exec()
+    }
+
+    /// [`Sandbox::command`] before it is made to join cgroups.
+    fn confined_command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
         let inner = &*self.inner;
         match &inner.backend {
             Backend::Plain => {
@@ -486,25 +582,38 @@ impl Sandbox {
         }
     }
 
-    /// Puts the worker `pid` (and every descendant it has by then) into a new cgroup
-    /// `openab-<id>` with `limits`, beside the broker's own cgroup: memory, pids and cpu from
-    /// cgroup v2 where the unified hierarchy offers them, else from their v1 hierarchies. The
-    /// memory and pids controllers are used whenever available, even without a limit, so that
-    /// [`LimitsHandle::usage`] can report them. An existing cgroup of that name is reused.
+    /// Creates the cgroups `name` (see [`cgroup::group_name`]) with `limits`, beside the
+    /// broker's own cgroup, for a worker about to start: memory, pids and cpu from cgroup v2
+    /// where the unified hierarchy offers them, else from their v1 hierarchies. The memory and
+    /// pids controllers are used whenever available, even without a limit, so that
+    /// [`LimitsHandle::usage`] can report them and the whole session can be killed at once. An
+    /// existing cgroup of that name is reused.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming `session_runtime.local.limits` if a configured limit has
     /// no usable controller (not mounted, not delegated to the broker, no permission), saying
     /// which; [`Error::Backend`] for other failures. Nothing is left behind on error.
+    pub(crate) fn prepare_limits(&self, name: &str, limits: &ResourceLimits) -> Result<LimitsHandle, Error> {
+        let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
+        host.prepare(name, limits)
+    }
+
+    /// [`Sandbox::prepare_limits`], then moves the running worker `pid` (and every descendant it
+    /// has by then) in.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Sandbox::prepare_limits`].
+    #[allow(dead_code)] // the runtime joins at exec; kept for callers with a running process
     pub(crate) fn apply_limits(
         &self,
-        id: &SessionId,
+        name: &str,
         limits: &ResourceLimits,
         pid: u32,
     ) -> Result<LimitsHandle, Error> {
         let host = cgroup::CgroupHost::detect().map_err(|why| cgroup::unusable(limits, &why))?;
-        host.apply(id, limits, pid)
+        host.apply(name, limits, pid)
     }
 
     /// Checks, without a worker, that [`Sandbox::apply_limits`] can apply `limits` here: the
@@ -521,8 +630,8 @@ impl Sandbox {
 
     /// The cgroup of a session left by an earlier broker process, if there is one (for
     /// `reconcile`: remove it once the session's processes are gone).
-    pub(crate) fn existing_limits(&self, id: &SessionId) -> Option<LimitsHandle> {
-        cgroup::CgroupHost::detect().ok()?.existing(id)
+    pub(crate) fn existing_limits(&self, name: &str) -> Option<LimitsHandle> {
+        cgroup::CgroupHost::detect().ok()?.existing(name)
     }
 }
 

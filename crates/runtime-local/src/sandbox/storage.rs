@@ -16,7 +16,7 @@ const PASSWD_FILE: &str = "sandbox-passwd";
 const GROUP_FILE: &str = "sandbox-group";
 
 fn storage_error(what: String, error: io::Error) -> Error {
-    Error::backend(crate::RUNTIME, true, what, error)
+    crate::backend_error(true, what, error)
 }
 
 fn chmod(path: &Path, mode: u32) -> Result<(), Error> {
@@ -26,9 +26,6 @@ fn chmod(path: &Path, mode: u32) -> Result<(), Error> {
 
 /// See [`Sandbox::prepare_storage`](super::Sandbox::prepare_storage).
 pub(super) fn prepare(dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
-    if let Some(root) = dirs.base.parent() {
-        chmod(root, 0o711)?;
-    }
     match uid {
         Some(uid) => {
             std::os::unix::fs::chown(&dirs.base, None, Some(uid))

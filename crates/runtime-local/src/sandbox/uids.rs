@@ -87,7 +87,7 @@ impl HostIds {
 }
 
 fn storage_error(what: &str, error: io::Error) -> Error {
-    Error::backend(crate::RUNTIME, true, what, error)
+    crate::backend_error(true, what, error)
 }
 
 /// The claims directory, created 0700 if missing.

@@ -1,0 +1,236 @@
+//! Agents that fail or misbehave.
+//!
+//! - [`a_missing_agent_fails_attach_with_enoent_in_every_mode`]: an agent program that does not
+//!   exist (by path, or by name on `PATH`) fails `attach` with `WorkerFailed` / `Spawn` saying
+//!   `ENOENT`, the same in plain, bubblewrap and Landlock modes (where the failed exec would
+//!   otherwise happen inside the sandbox, after the worker started, and Landlock would turn the
+//!   search of `PATH` into `EACCES`), and the session is left as it was.
+//! - [`the_agent_is_in_its_cgroups_from_its_first_instruction`]: an agent under a limit whose
+//!   first act is to read its own cgroups is already in the session's, in every mode.
+//! - [`nothing_an_agent_detaches_outlives_its_session`]: a plain agent's grandchild that left its
+//!   process group and session, cleared its environment (no worker marker) and was orphaned (its
+//!   parent is gone) is killed when the session is suspended.
+//! - [`an_agent_killed_by_its_memory_limit_ended_out_of_memory`]: plain and bubblewrap.
+//!
+//! The cgroup tests need a broker that may create cgroups (root here); elsewhere they say so and
+//! pass without checking.
+
+mod common;
+
+use session_runtime::config::SandboxMode;
+use session_runtime::{
+    AgentCommand, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState, WorkerFailure,
+};
+
+/// Names the Landlock helper that Cargo built for these tests, unless the runtime finds it
+/// beside the test binary's directory by itself.
+fn use_built_landlock_helper() {
+    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_oab-landlock-exec"));
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("oab-landlock-exec")));
+    if beside.as_deref() != Some(helper) {
+        std::env::set_var("OAB_LANDLOCK_EXEC", helper);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_agent_fails_attach_with_enoent_in_every_mode() {
+    use_built_landlock_helper();
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        for program in ["no-such-agent-anywhere", "/no/such/dir/agent"] {
+            let root = tempfile::tempdir().expect("root");
+            let builder = runtime_local::LocalRuntime::builder(AgentCommand::new(program))
+                .root(root.path())
+                .installation("missing")
+                .sandbox(mode);
+            let Some(runtime) = common::build_if_supported(builder, mode) else {
+                continue;
+            };
+            let identity = SessionIdentity::new("missing", "agent", "discord", program).expect("identity");
+            let id = identity.id();
+            runtime
+                .create(&identity, &CreateOptions::new())
+                .await
+                .expect("create");
+            match runtime.attach(&id).await {
+                Err(Error::WorkerFailed {
+                    cause: WorkerFailure::Spawn(why),
+                    ..
+                }) => assert!(
+                    why.contains("No such file or directory"),
+                    "{mode}, {program}: {why}"
+                ),
+                Err(other) => panic!("{mode}, {program}: not a spawn failure: {other}"),
+                Ok(_) => panic!("{mode}, {program}: a missing agent attached"),
+            }
+            let status = runtime.status(&id).await.expect("status");
+            assert_eq!(status.state, SessionState::Created, "{mode}, {program}");
+            assert!(status.worker.is_none(), "{mode}, {program}: {status:?}");
+        }
+    }
+}
+
+/// Whether this process may create cgroups (the tests below need it); says so when not.
+fn cgroups_usable() -> bool {
+    let root = rustix::process::geteuid().is_root();
+    if !root {
+        eprintln!("skipping: per-session cgroups need a root broker here");
+    }
+    root
+}
+
+/// The plain or sandboxed runtime of `mode` under `root`, running `program args`.
+fn runtime_running(
+    root: &std::path::Path,
+    mode: SandboxMode,
+    program: &str,
+    args: &[&str],
+    limits: Option<session_runtime::config::ResourceLimits>,
+) -> Option<std::sync::Arc<runtime_local::LocalRuntime>> {
+    let agent = AgentCommand::new(program).args(args.iter().map(|a| a.to_string()));
+    let mut builder = runtime_local::LocalRuntime::builder(agent)
+        .root(root)
+        .installation("misbehaving")
+        .sandbox(mode);
+    if let Some(limits) = limits {
+        builder = builder.limits(limits);
+    }
+    common::build_if_supported(builder, mode)
+}
+
+async fn created(runtime: &runtime_local::LocalRuntime, thread: &str) -> session_runtime::SessionId {
+    let identity = SessionIdentity::new("misbehaving", "agent", "discord", thread).expect("identity");
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    identity.id()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_is_in_its_cgroups_from_its_first_instruction() {
+    use tokio::io::AsyncReadExt;
+    use_built_landlock_helper();
+    if !cgroups_usable() {
+        return;
+    }
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = tempfile::tempdir().expect("root");
+        // `cat` reads its own cgroups before anything else it does: under a limit, it must
+        // already be where the limit is.
+        let mut limits = session_runtime::config::ResourceLimits::default();
+        limits.pids = Some(64);
+        let Some(runtime) = runtime_running(
+            root.path(),
+            mode,
+            "/bin/cat",
+            &["/proc/self/cgroup"],
+            Some(limits),
+        ) else {
+            continue;
+        };
+        let id = created(&runtime, "first-instruction").await;
+        let mut attachment = runtime.attach(&id).await.expect("attach");
+        let mut seen = String::new();
+        attachment
+            .output()
+            .read_to_string(&mut seen)
+            .await
+            .expect("output");
+        let ours = format!("/openab-{id}-");
+        assert!(
+            seen.lines().any(|line| line.contains(&ours)),
+            "{mode}: the agent ran outside its cgroups:\n{seen}"
+        );
+        drop(attachment);
+        runtime
+            .close(&id, session_runtime::CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_an_agent_detaches_outlives_its_session() {
+    use tokio::io::AsyncBufReadExt;
+    if !cgroups_usable() {
+        return;
+    }
+    let root = tempfile::tempdir().expect("root");
+    // A grandchild in a session of its own, with no environment (so no worker marker), whose
+    // parent exits at once (so it is not the agent's descendant either), then the agent waits.
+    let script = "(setsid env -i /bin/sleep 300 & echo $!) ; exec /bin/sleep 300";
+    let runtime = runtime_running(root.path(), SandboxMode::None, "/bin/sh", &["-c", script], None)
+        .expect("plain mode always builds");
+    let id = created(&runtime, "detached").await;
+    let mut attachment = runtime.attach(&id).await.expect("attach");
+    let mut line = String::new();
+    tokio::io::BufReader::new(attachment.output())
+        .read_line(&mut line)
+        .await
+        .expect("the grandchild's pid");
+    let pid: u32 = line.trim().parse().expect("a pid");
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the grandchild runs");
+    let start_time = stat
+        .rsplit_once(") ")
+        .expect("stat")
+        .1
+        .split(' ')
+        .nth(19)
+        .expect("start")
+        .to_owned();
+    drop(attachment);
+    runtime
+        .suspend(&id, session_runtime::SuspendReason::Idle)
+        .await
+        .expect("suspend");
+    let survivor = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .filter(|stat| {
+            let fields: Vec<&str> = stat
+                .rsplit_once(") ")
+                .map(|(_, rest)| rest.split(' ').collect())
+                .unwrap_or_default();
+            fields.first() != Some(&"Z") && fields.get(19) == Some(&start_time.as_str())
+        });
+    if survivor.is_some() {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status();
+    }
+    assert!(
+        survivor.is_none(),
+        "the detached grandchild {pid} outlived the suspend"
+    );
+    runtime
+        .close(&id, session_runtime::CloseReason::Reset)
+        .await
+        .expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_by_its_memory_limit_ended_out_of_memory() {
+    if !cgroups_usable() {
+        return;
+    }
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap] {
+        let root = tempfile::tempdir().expect("root");
+        let mut limits = session_runtime::config::ResourceLimits::default();
+        limits.memory = Some(32 << 20);
+        // `tail` keeps all of an endless line in memory.
+        let Some(runtime) = runtime_running(root.path(), mode, "/usr/bin/tail", &["/dev/zero"], Some(limits))
+        else {
+            continue;
+        };
+        let id = created(&runtime, "oom").await;
+        let attachment = runtime.attach(&id).await.expect("attach");
+        let exit = attachment.control().wait().await.expect("exit");
+        assert_eq!(exit, session_runtime::WorkerExit::OutOfMemory, "{mode}: {exit}");
+        drop(attachment);
+        runtime
+            .close(&id, session_runtime::CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+}
