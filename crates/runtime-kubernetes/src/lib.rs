@@ -31,6 +31,7 @@ mod reach;
 mod reconcile;
 mod record;
 mod runtime;
+mod seed;
 mod start;
 #[cfg(feature = "testing")]
 mod testing;

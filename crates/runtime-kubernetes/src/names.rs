@@ -62,6 +62,11 @@ pub(crate) fn leader(installation: &str) -> String {
     }
 }
 
+/// The Job that seeds the volume of one incarnation of the session at create.
+pub(crate) fn seed(id: &SessionId, incarnation: u64) -> String {
+    format!("oab-p-{id}-{incarnation}")
+}
+
 /// An installation name as a label value: itself when it is one (at most 63 characters of
 /// `[A-Za-z0-9._-]`, alphanumeric at both ends), else `h-` and a hash of it.
 pub(crate) fn installation_label(installation: &str) -> String {

@@ -308,7 +308,7 @@ fn plain_env(name: &str, value: String) -> EnvVar {
     }
 }
 
-fn resources(profile: &WorkerProfile) -> ResourceRequirements {
+pub(crate) fn resources(profile: &WorkerProfile) -> ResourceRequirements {
     let r = &profile.resources;
     let pick = |pairs: [(&str, &Option<String>); 3]| {
         let map: BTreeMap<String, Quantity> = pairs

@@ -40,6 +40,9 @@
 //! config_map = "agent-skills"                 # or claim = "skills-volume"; exactly one
 //! version = "v3"
 //!
+//! [home_template]                            # copied into a new session's HOME at create
+//! config_map = "agent-home"                   # or secret = "agent-home"; exactly one
+//!
 //! [[env]]
 //! name = "ANTHROPIC_API_KEY"
 //! secret = "agent-credentials"
@@ -100,6 +103,9 @@ pub struct WorkerProfile {
     pub home_path: String,
     /// Read-only inputs mounted into every worker (skills, tools, reference data). Default none.
     pub skills: Vec<ReadOnlyInput>,
+    /// Files copied into every new session's HOME when it is created (each key of the
+    /// ConfigMap or Secret becomes a file). Default none.
+    pub home_template: Option<HomeTemplate>,
     /// Environment variables taken from Secrets by reference. Default none.
     pub env: Vec<SecretEnv>,
     /// The Pod's `runtimeClassName` (e.g. a gVisor or Kata class). Default `None`: the
@@ -130,6 +136,8 @@ impl WorkerProfile {
     pub const DEFAULT_HOME_PATH: &'static str = "/home/agent";
     /// The default [`termination_grace`](Self::termination_grace): 10 seconds.
     pub const DEFAULT_TERMINATION_GRACE: Duration = Duration::from_secs(10);
+    /// The longest [`max_lifetime`](Self::max_lifetime): 30 days.
+    pub const MAX_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
 
     /// Parses and validates a profile document.
     ///
@@ -208,6 +216,20 @@ impl WorkerProfile {
         self.storage.check(self)?;
         self.check_mounts()?;
         self.check_env()?;
+        if let Some(template) = &self.home_template {
+            if matches!(self.storage, Storage::Ephemeral { .. }) {
+                return Err(self.invalid(
+                    "home_template",
+                    "needs storage that outlives the seed Job: kind = \"per-session\" or \"borrowed\"",
+                ));
+            }
+            let (key, name) = match template {
+                HomeTemplate::ConfigMap(name) => ("home_template.config_map", name),
+                HomeTemplate::Secret(name) => ("home_template.secret", name),
+            };
+            check_dns_subdomain(name)
+                .map_err(|reason| self.invalid(key, format!("{reason}, e.g. \"agent-home\"")))?;
+        }
         if let Some(class) = &self.runtime_class {
             check_dns_subdomain(class)
                 .map_err(|reason| self.invalid("runtime_class", format!("{reason}, e.g. \"gvisor\"")))?;
@@ -329,18 +351,50 @@ impl WorkerProfile {
         Ok(())
     }
 
-    /// Lifetimes: a zero TTL would stop workers at once, which is never what was meant.
+    /// Lifetimes: a zero TTL would stop workers at once, which is never what was meant, and
+    /// one without end is a typo that would keep workers or storage forever.
     fn check_durations(&self) -> Result<(), Error> {
         let retain_for = self.retention.as_ref().and_then(|r| r.retain_for);
-        for (key, value, example) in [
-            ("idle_ttl", self.idle_ttl, "\"30m\""),
-            ("max_lifetime", self.max_lifetime, "\"8h\""),
-            ("retention.retain_for", retain_for, "\"7d\""),
+        for (key, value, example, most) in [
+            (
+                "idle_ttl",
+                self.idle_ttl,
+                "\"30m\"",
+                config::SessionRuntimeConfig::MAX_IDLE_TTL,
+            ),
+            (
+                "max_lifetime",
+                self.max_lifetime,
+                "\"8h\"",
+                WorkerProfile::MAX_LIFETIME,
+            ),
+            (
+                "retention.retain_for",
+                retain_for,
+                "\"7d\"",
+                RetentionPolicy::MAX_RETAIN_FOR,
+            ),
+            (
+                "termination_grace",
+                Some(self.termination_grace),
+                "\"10s\"",
+                config::LocalConfig::MAX_TERMINATE_GRACE,
+            ),
         ] {
-            if value.is_some_and(|d| d.is_zero()) {
+            if value.is_some_and(|d| d.is_zero()) && key != "termination_grace" {
                 return Err(self.invalid(
                     key,
                     format!("must be more than zero, e.g. {example}; leave it out for the default"),
+                ));
+            }
+            if let Some(value) = value.filter(|d| *d > most) {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{} is more than the most allowed, {}; e.g. {example}",
+                        humantime::format_duration(value),
+                        humantime::format_duration(most)
+                    ),
                 ));
             }
         }
@@ -619,6 +673,42 @@ pub enum InputSource {
     Claim(String),
 }
 
+/// Where a new session's HOME template comes from: `[home_template]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "RawHomeTemplate")]
+#[non_exhaustive]
+pub enum HomeTemplate {
+    /// A ConfigMap in the sessions namespace: `config_map = "name"`.
+    ConfigMap(String),
+    /// A Secret in the sessions namespace: `secret = "name"`. Its values reach only the seed
+    /// Job's Pod (the kubelet mounts them), never the broker.
+    Secret(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHomeTemplate {
+    config_map: Option<String>,
+    secret: Option<String>,
+}
+
+impl TryFrom<RawHomeTemplate> for HomeTemplate {
+    type Error = String;
+
+    fn try_from(raw: RawHomeTemplate) -> Result<Self, String> {
+        match (raw.config_map, raw.secret) {
+            (Some(name), None) => Ok(HomeTemplate::ConfigMap(name)),
+            (None, Some(name)) => Ok(HomeTemplate::Secret(name)),
+            (both, _) => {
+                let found = if both.is_some() { "both" } else { "neither" };
+                Err(format!(
+                    "set exactly one of config_map or secret, found {found}; e.g. config_map = \"agent-home\""
+                ))
+            }
+        }
+    }
+}
+
 /// A `[[skills]]` entry as written, before the source is resolved to exactly one kind.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -776,6 +866,7 @@ struct Document {
     mount_path: String,
     home_path: String,
     skills: Vec<ReadOnlyInput>,
+    home_template: Option<HomeTemplate>,
     env: Vec<SecretEnv>,
     runtime_class: Option<String>,
     egress: Vec<String>,
@@ -800,6 +891,7 @@ impl Default for Document {
             mount_path: WorkerProfile::DEFAULT_MOUNT_PATH.to_owned(),
             home_path: WorkerProfile::DEFAULT_HOME_PATH.to_owned(),
             skills: Vec::new(),
+            home_template: None,
             env: Vec::new(),
             runtime_class: None,
             egress: Vec::new(),
@@ -826,6 +918,7 @@ impl Document {
             mount_path: self.mount_path,
             home_path: self.home_path,
             skills: self.skills,
+            home_template: self.home_template,
             env: self.env,
             runtime_class: self.runtime_class,
             egress: self.egress,
@@ -1065,6 +1158,9 @@ mod tests {
             mount_path = "/opt/tools"
             claim = "tools-volume"
 
+            [home_template]
+            secret = "agent-home"
+
             [[env]]
             name = "ANTHROPIC_API_KEY"
             secret = "agent-credentials"
@@ -1112,6 +1208,7 @@ mod tests {
                     version: None,
                 },
             ],
+            home_template: Some(HomeTemplate::Secret("agent-home".into())),
             env: vec![SecretEnv {
                 name: "ANTHROPIC_API_KEY".into(),
                 secret: "agent-credentials".into(),
@@ -1599,6 +1696,70 @@ mod tests {
             if let Err(err) = WorkerProfile::from_toml(NAME, "1", &document) {
                 let is_profile_key = matches!(&err, Error::InvalidConfig { key, .. } if key.starts_with("profile/isolated-worker"));
                 prop_assert!(is_profile_key, "{err:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_home_template_names_exactly_one_source_and_needs_lasting_storage() {
+        let base = "image = \"w\"\nagent = [\"/a\"]\n";
+        let map = WorkerProfile::from_toml(
+            NAME,
+            "1",
+            &format!("{base}[home_template]\nconfig_map = \"agent-home\"\n"),
+        )
+        .expect("valid");
+        assert_eq!(
+            map.home_template,
+            Some(HomeTemplate::ConfigMap("agent-home".into()))
+        );
+        for (table, key, says) in [
+            (
+                "config_map = \"a\"\nsecret = \"b\"\n",
+                "home_template",
+                "found both",
+            ),
+            ("", "home_template", "found neither"),
+            (
+                "config_map = \"Not_A_Name\"\n",
+                "home_template.config_map",
+                "agent-home",
+            ),
+        ] {
+            let document = format!("{base}[home_template]\n{table}");
+            match WorkerProfile::from_toml(NAME, "1", &document) {
+                Err(Error::InvalidConfig { key: found, reason }) => {
+                    assert_eq!(found, format!("profile/{NAME}.{key}"), "{reason}");
+                    assert!(reason.contains(says), "{reason}");
+                }
+                other => panic!("{document}: {other:?}"),
+            }
+        }
+        let ephemeral = format!("{base}[storage]\nkind = \"ephemeral\"\n[home_template]\nsecret = \"h\"\n");
+        match WorkerProfile::from_toml(NAME, "1", &ephemeral) {
+            Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, format!("profile/{NAME}.home_template")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn lifetimes_without_end_are_refused_naming_the_key() {
+        let base = "image = \"w\"\nagent = [\"/a\"]\n";
+        for (line, key) in [
+            ("idle_ttl = \"400d\"\n", "idle_ttl"),
+            ("max_lifetime = \"100000000y\"\n", "max_lifetime"),
+            ("termination_grace = \"11m\"\n", "termination_grace"),
+            ("[retention]\nretain_for = \"20y\"\n", "retention.retain_for"),
+        ] {
+            match WorkerProfile::from_toml(NAME, "1", &format!("{base}{line}")) {
+                Err(Error::InvalidConfig { key: found, reason }) => {
+                    assert_eq!(found, format!("profile/{NAME}.{key}"), "{reason}");
+                    assert!(
+                        reason.contains("most allowed") || reason.contains("out of range"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("{line}: {other:?}"),
             }
         }
     }

@@ -91,6 +91,14 @@ pub(crate) struct RetainedClaim {
     pub(crate) until: Option<u64>,
 }
 
+/// The workspace seed a create asked for, kept until the volume is seeded, so that whoever
+/// finishes an interrupted create seeds it the same way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct SeedRecord {
+    pub(crate) git_url: String,
+    pub(crate) git_reference: Option<String>,
+}
+
 /// What the last reconcile pass did to the session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct ReconcileNote {
@@ -126,6 +134,9 @@ pub(crate) struct SessionRecord {
     pub(crate) closed_at: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) last_reconcile: Option<ReconcileNote>,
+    /// The seed to apply while provisioning; `None` once applied, or when none was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) seed: Option<SeedRecord>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -163,6 +174,7 @@ impl SessionRecord {
             retained: Vec::new(),
             closed_at: None,
             last_reconcile: None,
+            seed: None,
         }
     }
 

@@ -23,6 +23,7 @@ use session_runtime::{
     Attachment, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger, Generation,
     IsolationLevel, ReconcileReport, Result, Retention, RetentionPolicy, SessionHandle, SessionId,
     SessionIdentity, SessionRuntime, SessionState, SessionStatus, SuspendReason, WorkerControl,
+    WorkspaceSeed,
 };
 use worker_relay::transport::{Connector, TcpConnector};
 use worker_relay::{BrokerKey, ClientConfig, RelayClient};
@@ -31,7 +32,7 @@ use crate::api::{api_error, is_status};
 use crate::pod::{worker_pod, WorkerSpec};
 use crate::profile::{Storage, WorkerProfile};
 use crate::reach::ExecConnector;
-use crate::record::{now, CloseRecord, Phase, SessionRecord, Volume};
+use crate::record::{now, CloseRecord, Phase, SeedRecord, SessionRecord, Volume};
 use crate::start::{progress, Progress};
 use crate::{names, RUNTIME};
 
@@ -82,6 +83,7 @@ impl std::fmt::Debug for KubernetesRuntime {
 
 /// The namespace's API handles this runtime uses.
 struct Apis {
+    jobs: Api<k8s_openapi::api::batch::v1::Job>,
     leases: Api<Lease>,
     pods: Api<Pod>,
     claims: Api<PersistentVolumeClaim>,
@@ -91,6 +93,7 @@ struct Apis {
 impl Apis {
     fn new(client: Client, namespace: &str) -> Apis {
         Apis {
+            jobs: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
@@ -528,6 +531,10 @@ impl KubernetesRuntime {
                 }
             }
         };
+        if record.seed.is_some() || profile.home_template.is_some() {
+            self.seed(id, &lease, &record, &profile).await?;
+            record.seed = None;
+        }
         record.phase = Phase::Session(SessionState::Created);
         match self.swap(&lease, &record).await {
             Ok(_) => Ok(record),
@@ -962,12 +969,17 @@ impl KubernetesRuntime {
         }
     }
 
-    async fn create_locked(&self, identity: &SessionIdentity) -> Result<SessionHandle> {
+    async fn create_locked(
+        &self,
+        identity: &SessionIdentity,
+        seed: Option<SeedRecord>,
+    ) -> Result<SessionHandle> {
         let id = identity.id();
         let digest = data_encoding::HEXLOWER.encode(&identity.digest());
         for _ in 0..CAS_ATTEMPTS {
             let Some((lease, record)) = self.load(&id).await? else {
-                let record = SessionRecord::new(id, digest.clone(), 0, 1);
+                let mut record = SessionRecord::new(id, digest.clone(), 0, 1);
+                record.seed = seed.clone();
                 let mut anchor = Lease {
                     metadata: names::meta(names::anchor(&id), &self.installation, &id, "anchor"),
                     spec: Some(LeaseSpec {
@@ -1004,7 +1016,8 @@ impl KubernetesRuntime {
                 Phase::Session(SessionState::Closed) => {
                     // A new session under the same id: generations keep growing, and the new
                     // incarnation gets a volume of its own.
-                    let next = record.next_incarnation(digest.clone());
+                    let mut next = record.next_incarnation(digest.clone());
+                    next.seed = seed.clone();
                     match self.swap(&lease, &next).await {
                         Ok(written) => {
                             let record = self.provision(&id, written, next).await?;
@@ -1120,15 +1133,35 @@ impl SessionRuntime for KubernetesRuntime {
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.installation)?;
-        if options.workspace_seed.is_some() {
-            return Err(Error::Unsupported {
-                runtime: RUNTIME,
-                operation: "create with a workspace seed (not built yet for Kubernetes)",
-            });
-        }
+        let seed = match &options.workspace_seed {
+            None => None,
+            Some(WorkspaceSeed::GitClone { url, reference }) => {
+                if url.is_empty() || url.starts_with('-') || url.chars().any(char::is_control) {
+                    return Err(Error::InvalidArgument {
+                        reason: format!("the workspace seed {url:?} is not a repository URL git can clone"),
+                    });
+                }
+                if matches!(self.profile().await?.storage, Storage::Ephemeral { .. }) {
+                    return Err(Error::Unsupported {
+                        runtime: RUNTIME,
+                        operation: "a workspace seed with the profile's ephemeral storage (the seed would not outlive its Job)",
+                    });
+                }
+                Some(SeedRecord {
+                    git_url: url.clone(),
+                    git_reference: reference.clone(),
+                })
+            }
+            Some(_) => {
+                return Err(Error::Unsupported {
+                    runtime: RUNTIME,
+                    operation: "this kind of workspace seed",
+                })
+            }
+        };
         let lock = self.lock(&identity.id());
         let _held = lock.lock().await;
-        self.create_locked(identity).await
+        self.create_locked(identity, seed).await
     }
 
     async fn attach(&self, id: &SessionId) -> Result<Attachment> {
@@ -1201,6 +1234,14 @@ impl KubernetesRuntime {
 
     pub(crate) async fn claims(&self) -> Result<&Api<PersistentVolumeClaim>> {
         Ok(&self.apis().await?.claims)
+    }
+
+    pub(crate) async fn jobs(&self) -> Result<&Api<k8s_openapi::api::batch::v1::Job>> {
+        Ok(&self.apis().await?.jobs)
+    }
+
+    pub(crate) fn start_timeout(&self) -> Duration {
+        self.start_timeout
     }
 
     async fn profiles(&self) -> Result<&Api<ConfigMap>> {
