@@ -15,7 +15,7 @@ pub(crate) type Outcome = Result<ExitCode, Box<dyn std::error::Error>>;
 pub(crate) async fn dispatch(cli: Cli) -> Outcome {
     let settings = Settings::load(cli.config.as_deref())?;
     match cli.command {
-        Command::Verify { root } => crate::verify::run(settings, root).await,
+        Command::Verify { root, shared_input } => crate::verify::run(settings, root, shared_input).await,
         Command::Run {
             platform,
             thread,

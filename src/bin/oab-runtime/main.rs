@@ -37,6 +37,11 @@ enum Command {
         /// configuration names no root).
         #[arg(long, value_name = "DIR")]
         root: Option<PathBuf>,
+        /// A file every session sees read-only (a skill the profile mounts, for `type =
+        /// "kubernetes"`): the suite checks both sessions can read it and neither can change it.
+        /// The local runtime makes its own.
+        #[arg(long, value_name = "PATH")]
+        shared_input: Option<String>,
     },
     /// Create (or reuse) the session of a thread, attach, and pipe the agent's ACP stdio to this
     /// terminal. Ends, always suspending the session first, when the agent ends (exit status: the
