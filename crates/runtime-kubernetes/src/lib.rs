@@ -25,6 +25,7 @@ mod api;
 pub mod controller;
 pub mod leader;
 mod names;
+mod network;
 mod pod;
 pub mod profile;
 mod reach;

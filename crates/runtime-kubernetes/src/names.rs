@@ -22,6 +22,10 @@ pub(crate) const SESSION: &str = "openab.dev/session";
 pub(crate) const GENERATION: &str = "openab.dev/generation";
 /// Label: which part of a session an object is (`anchor`, `worker`, `storage`).
 pub(crate) const ROLE: &str = "openab.dev/role";
+/// Label: the profile a worker Pod was made from (see [`profile_label`]).
+pub(crate) const PROFILE: &str = "openab.dev/profile";
+/// Annotation on an egress policy: the profile version it was written from.
+pub(crate) const PROFILE_VERSION: &str = "openab.dev/profile-version";
 /// Annotation: the full session id, checked before adopting an object.
 pub(crate) const SESSION_ID: &str = "openab.dev/session-id";
 /// Annotation on the anchor: the session record (JSON, see `record.rs`).
@@ -65,6 +69,20 @@ pub(crate) fn leader(installation: &str) -> String {
 /// The Job that seeds the volume of one incarnation of the session at create.
 pub(crate) fn seed(id: &SessionId, incarnation: u64) -> String {
     format!("oab-p-{id}-{incarnation}")
+}
+
+/// A profile name (a DNS subdomain, up to 253 characters) as a label value: itself when it fits
+/// a label, else `h-` and a hash of it.
+pub(crate) fn profile_label(profile: &str) -> String {
+    installation_label(profile)
+}
+
+/// The NetworkPolicy of a profile's egress allowances (one per installation and profile).
+pub(crate) fn egress_policy(installation: &str, profile: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("{installation}\n{profile}").as_bytes());
+    let encoded = data_encoding::BASE32_NOPAD.encode(&digest).to_ascii_lowercase();
+    format!("oab-egress-{}", &encoded[..20])
 }
 
 /// An installation name as a label value: itself when it is one (at most 63 characters of

@@ -50,6 +50,8 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     let mut metadata = names::meta(names::worker(spec.id), spec.installation, spec.id, "worker");
     if let Some(labels) = metadata.labels.as_mut() {
         labels.insert(names::GENERATION.to_owned(), spec.generation.to_string());
+        // What the profile's egress policy selects (see network.rs).
+        labels.insert(names::PROFILE.to_owned(), names::profile_label(profile.name()));
     }
     metadata.owner_references = Some(vec![owned_by_anchor(spec.id, spec.anchor_uid)]);
 

@@ -68,6 +68,8 @@ pub struct KubernetesRuntime {
     /// The live attachment of each session this process attached: stopped and fenced by the
     /// next attach, suspend or close.
     live: Mutex<HashMap<SessionId, Live>>,
+    /// The profile versions whose egress policy this process applied (`name@version`).
+    egress_applied: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for KubernetesRuntime {
@@ -85,6 +87,7 @@ impl std::fmt::Debug for KubernetesRuntime {
 struct Apis {
     jobs: Api<k8s_openapi::api::batch::v1::Job>,
     leases: Api<Lease>,
+    policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy>,
     pods: Api<Pod>,
     claims: Api<PersistentVolumeClaim>,
     profiles: Api<ConfigMap>,
@@ -95,6 +98,7 @@ impl Apis {
         Apis {
             jobs: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
+            policies: Api::namespaced(client.clone(), namespace),
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
             profiles: Api::namespaced(client, namespace),
@@ -245,6 +249,7 @@ impl KubernetesRuntimeBuilder {
             epoch,
             locks: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
+            egress_applied: Mutex::new(std::collections::HashSet::new()),
         })
     }
 }
@@ -647,6 +652,7 @@ impl KubernetesRuntime {
                 claim: record.volume.claim(),
             },
         );
+        self.apply_egress(profile).await?;
         // One worker per session, ever: an older generation's Pod goes first; a newer one means
         // this attach lost; our own (a retry) is adopted. Another broker may put an older Pod back
         // between our delete and our create, so this repeats.
@@ -812,7 +818,7 @@ impl KubernetesRuntime {
         let config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
         let client = RelayClient::new(config, connector);
         let (fence, trigger) = Fence::new(*id, generation);
-        let attachment = client.attach(fence).await?;
+        let attachment = self.connect(id, &pod, client.attach(fence)).await?;
         let renewal = tokio::spawn(renew_while_live(
             self.leases().await?.clone(),
             *id,
@@ -828,6 +834,63 @@ impl KubernetesRuntime {
         };
         self.live.lock().insert(*id, live);
         Ok(attachment)
+    }
+
+    /// Makes the profile's egress policy what the profile says, once per profile version and
+    /// process (server-side apply: idempotent, and another broker's identical apply is no
+    /// conflict).
+    async fn apply_egress(&self, profile: &WorkerProfile) -> Result<()> {
+        let key = format!("{}@{}", profile.name(), profile.version());
+        if self.egress_applied.lock().contains(&key) {
+            return Ok(());
+        }
+        let policy = crate::network::egress_policy(profile, &self.installation);
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        let params = kube::api::PatchParams::apply(crate::network::FIELD_MANAGER).force();
+        self.apis()
+            .await?
+            .policies
+            .patch(&name, &params, &kube::api::Patch::Apply(&policy))
+            .await
+            .map_err(|e| {
+                api_error(
+                    &format!("applying the egress policy {name} of profile {}", profile.name()),
+                    e,
+                )
+            })?;
+        self.egress_applied.lock().insert(key);
+        Ok(())
+    }
+
+    /// Waits for the relay connection of a worker that was just started, watching the Pod
+    /// meanwhile: a worker that fails before its relay answers is reported as the Pod says,
+    /// not as a connection that kept being refused.
+    async fn connect(
+        &self,
+        id: &SessionId,
+        pod: &Pod,
+        attach: impl std::future::Future<Output = Result<Attachment>>,
+    ) -> Result<Attachment> {
+        tokio::pin!(attach);
+        loop {
+            tokio::select! {
+                attached = &mut attach => return attached,
+                () = tokio::time::sleep(POLL) => {}
+            }
+            match self.worker(id).await? {
+                Some(current) if current.uid() == pod.uid() => {
+                    if let Progress::Failed(cause) = progress(&current) {
+                        return Err(Error::WorkerFailed { id: *id, cause });
+                    }
+                }
+                _ => {
+                    return Err(retry_later(
+                        id,
+                        "the worker Pod went away while the broker connected to it",
+                    ))
+                }
+            }
+        }
     }
 
     async fn suspend_locked(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {

@@ -6,7 +6,10 @@ use session_runtime::{WorkerExit, WorkerFailure};
 /// Where a starting Pod is.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Progress {
-    /// Ready: the relay accepts connections.
+    /// Ready to connect to: the relay's container runs and the Pod has its IP. The relay may
+    /// take a moment more to listen; the broker's first connection retries until it does,
+    /// instead of waiting for the kubelet's next readiness probe and status update (most of a
+    /// second per start).
     Ready,
     /// Still starting (scheduling, pulling, creating).
     Starting,
@@ -78,10 +81,13 @@ pub(crate) fn progress(pod: &Pod) -> Progress {
     }) {
         return Progress::Unschedulable(unschedulable.message.clone().unwrap_or_default());
     }
-    if conditions
+    let running = main
         .iter()
-        .any(|c| c.type_ == "Ready" && c.status == "True")
-    {
+        .any(|c| c.name == crate::pod::CONTAINER && c.state.as_ref().is_some_and(|s| s.running.is_some()));
+    let ready = conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if ready || (running && status.pod_ip.is_some()) {
         return Progress::Ready;
     }
     Progress::Starting

@@ -1,0 +1,112 @@
+//! The profile's egress allowances, as a NetworkPolicy of its own.
+//!
+//! `deploy/kubernetes/networkpolicy.yaml` denies workers every private range; NetworkPolicies add
+//! up, so a profile's `egress` CIDRs become one more policy, `oab-egress-<profile>`, that selects
+//! the workers of that profile (label [`names::PROFILE`]) and allows exactly those CIDRs. The
+//! broker writes it with server-side apply before a worker of a new profile version starts; its
+//! content comes only from the administrator's profile. An empty `egress` applies a policy with
+//! no rule, which allows nothing: removing an allowance from the profile removes it from the
+//! cluster at the next start.
+
+use k8s_openapi::api::networking::v1::{
+    IPBlock, NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyPeer, NetworkPolicySpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+
+use crate::names;
+use crate::profile::WorkerProfile;
+
+/// The field manager of the runtime's server-side applies.
+pub(crate) const FIELD_MANAGER: &str = "openab-broker";
+
+pub(crate) fn egress_policy(profile: &WorkerProfile, installation: &str) -> NetworkPolicy {
+    let selector = [
+        (names::MANAGED_BY.to_owned(), names::MANAGER.to_owned()),
+        (
+            names::INSTALLATION.to_owned(),
+            names::installation_label(installation),
+        ),
+        (names::ROLE.to_owned(), "worker".to_owned()),
+        (names::PROFILE.to_owned(), names::profile_label(profile.name())),
+    ];
+    let peers: Vec<NetworkPolicyPeer> = profile
+        .egress
+        .iter()
+        .map(|cidr| NetworkPolicyPeer {
+            ip_block: Some(IPBlock {
+                cidr: cidr.clone(),
+                except: None,
+            }),
+            ..NetworkPolicyPeer::default()
+        })
+        .collect();
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(names::egress_policy(installation, profile.name())),
+            labels: Some(
+                [
+                    (names::MANAGED_BY.to_owned(), names::MANAGER.to_owned()),
+                    (
+                        names::INSTALLATION.to_owned(),
+                        names::installation_label(installation),
+                    ),
+                ]
+                .into(),
+            ),
+            annotations: Some([(names::PROFILE_VERSION.to_owned(), profile.version().to_owned())].into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(selector.into()),
+                match_expressions: None,
+            }),
+            policy_types: Some(vec!["Egress".to_owned()]),
+            egress: Some(if peers.is_empty() {
+                Vec::new()
+            } else {
+                vec![NetworkPolicyEgressRule {
+                    to: Some(peers),
+                    ports: None,
+                }]
+            }),
+            ingress: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_policy_selects_the_profiles_workers_and_allows_exactly_its_cidrs() {
+        let document = "image = \"w\"\nagent = [\"/a\"]\negress = [\"203.0.113.0/24\", \"2001:db8::/32\"]\n";
+        let profile = WorkerProfile::from_toml("coder", "7", document).expect("a profile");
+        let policy = egress_policy(&profile, "prod");
+        let spec = policy.spec.as_ref().expect("spec");
+        let selector = spec
+            .pod_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.clone())
+            .expect("labels");
+        assert_eq!(selector.get(names::PROFILE).map(String::as_str), Some("coder"));
+        assert_eq!(selector.get(names::ROLE).map(String::as_str), Some("worker"));
+        let cidrs: Vec<String> = spec
+            .egress
+            .iter()
+            .flatten()
+            .flat_map(|rule| rule.to.iter().flatten())
+            .filter_map(|peer| Some(peer.ip_block.as_ref()?.cidr.clone()))
+            .collect();
+        assert_eq!(cidrs, ["203.0.113.0/24", "2001:db8::/32"]);
+        let none =
+            WorkerProfile::from_toml("coder", "8", "image = \"w\"\nagent = [\"/a\"]\n").expect("a profile");
+        let empty = egress_policy(&none, "prod");
+        assert_eq!(
+            empty.spec.and_then(|s| s.egress),
+            Some(Vec::new()),
+            "no rule: nothing more allowed"
+        );
+    }
+}
