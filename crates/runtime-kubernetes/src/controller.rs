@@ -142,7 +142,7 @@ impl Controller {
         tokio::pin!(renewal);
 
         let namespace = self.runtime.namespace().to_owned();
-        let (anchors, mut changes) = match self.watch().await {
+        let (anchors, mut changes, _watching) = match self.watch().await {
             Ok(watching) => watching,
             Err(error) => {
                 tracing::warn!("controller: cannot watch the sessions: {error}");
@@ -205,9 +205,15 @@ impl Controller {
         let _ = lost.send(true);
     }
 
-    /// Caches of the installation's anchors and worker Pods, and the sessions they report changes
-    /// of. The watch tasks end when the receiver is dropped.
-    async fn watch(&self) -> Result<((Store<Lease>, Store<Pod>), mpsc::UnboundedReceiver<SessionId>)> {
+    /// Caches of the installation's anchors and worker Pods, the sessions they report changes
+    /// of, and the watch task, which stops when its guard is dropped.
+    async fn watch(
+        &self,
+    ) -> Result<(
+        (Store<Lease>, Store<Pod>),
+        mpsc::UnboundedReceiver<SessionId>,
+        AbortOnDrop,
+    )> {
         let selector = names::installation_selector(self.runtime.installation());
         let (anchor_store, anchor_writer) = reflector::store();
         let (pod_store, pod_writer) = reflector::store();
@@ -229,7 +235,7 @@ impl Controller {
         .map(|pod| pod.map(|pod| session_of(&pod.metadata)));
         let (sender, receiver) = mpsc::unbounded_channel();
         let mut merged = futures_util::stream::select(anchors, pods).boxed();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             while let Some(event) = merged.next().await {
                 match event {
                     Ok(Some(id)) => {
@@ -245,9 +251,10 @@ impl Controller {
                 }
             }
         });
+        let guard = AbortOnDrop(task.abort_handle());
         anchor_store.wait_until_ready().await.ok();
         pod_store.wait_until_ready().await.ok();
-        Ok(((anchor_store, pod_store), receiver))
+        Ok(((anchor_store, pod_store), receiver, guard))
     }
 
     /// One session, from the caches.
@@ -297,6 +304,15 @@ impl Controller {
         if let Some(events) = &self.events {
             let _ = events.send(event);
         }
+    }
+}
+
+/// Stops a task when dropped: a leader that stops leading closes its watches at once.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -36,8 +36,11 @@ use crate::record::{now, CloseRecord, Phase, SeedRecord, SessionRecord, Volume};
 use crate::start::{progress, Progress};
 use crate::{names, RUNTIME};
 
-/// How often a starting or stopping Pod is looked at.
+/// How often a Pod is looked at when it cannot be watched, and while a broker connects to it.
 const POLL: Duration = Duration::from_millis(200);
+/// The longest one watch of a starting or stopping Pod lasts before the Pod is read again (so a
+/// slow change, like a scheduler's reason, is seen).
+const WATCH_SLICE: Duration = Duration::from_secs(5);
 /// How many times a lost compare-and-swap is retried before the call gives up (retryable).
 const CAS_ATTEMPTS: usize = 8;
 /// The shortest Pod deletion grace: zero would remove the Pod object at once, before the kubelet
@@ -615,7 +618,8 @@ impl KubernetesRuntime {
                 Some(current) if current.uid() == pod.uid() => {}
                 _ => return Ok(()),
             }
-            if tokio::time::Instant::now() >= deadline {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
                 return Err(Error::Backend {
                     runtime: RUNTIME,
                     retryable: true,
@@ -626,7 +630,42 @@ impl KubernetesRuntime {
                     source: None,
                 });
             }
-            tokio::time::sleep(POLL).await;
+            let uid = pod.uid().unwrap_or_default();
+            self.watch_worker(
+                id,
+                deadline - now,
+                kube::runtime::wait::conditions::is_deleted(&uid),
+            )
+            .await;
+        }
+    }
+
+    /// Waits until the worker Pod meets `condition` (a watch: no polling), at most `limit`, so
+    /// the caller reads it again at once when it changed. A watch that cannot be opened costs one
+    /// poll interval instead.
+    async fn watch_worker(
+        &self,
+        id: &SessionId,
+        limit: Duration,
+        condition: impl kube::runtime::wait::Condition<Pod> + Send + Sync,
+    ) {
+        let limit = limit.min(WATCH_SLICE);
+        let pods = match self.pods().await {
+            Ok(pods) => pods.clone(),
+            Err(_) => return tokio::time::sleep(POLL.min(limit)).await,
+        };
+        let name = names::worker(id);
+        match tokio::time::timeout(
+            limit,
+            kube::runtime::wait::await_condition(pods, &name, condition),
+        )
+        .await
+        {
+            Ok(Ok(_)) | Err(_) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(session = %id, "watching the worker failed; polling: {error}");
+                tokio::time::sleep(POLL.min(limit)).await;
+            }
         }
     }
 
@@ -729,14 +768,22 @@ impl KubernetesRuntime {
                 Progress::Unschedulable(why) => unschedulable = Some(why),
                 Progress::Starting => unschedulable = None,
             }
-            if tokio::time::Instant::now() >= deadline {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
                 let cause = match unschedulable {
                     Some(why) => session_runtime::WorkerFailure::Unschedulable(why),
                     None => session_runtime::WorkerFailure::StartTimeout(self.start_timeout),
                 };
                 return Err(Error::WorkerFailed { id: *id, cause });
             }
-            tokio::time::sleep(POLL).await;
+            // Until the Pod is ready, failed, gone or replaced.
+            let started = move |pod: Option<&Pod>| {
+                pod.is_none_or(|pod| {
+                    names::pod_generation(&pod.metadata) != Some(generation)
+                        || matches!(progress(pod), Progress::Ready | Progress::Failed(_))
+                })
+            };
+            self.watch_worker(id, deadline - now, started).await;
         }
     }
 
