@@ -146,7 +146,7 @@ async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, in
     }
     println!("  {:<10} {total:>5} {total_writes:>7}", "total");
     println!(
-        "  (polls while a Pod starts or stops are GETs every 200 ms: their number follows the node's speed)"
+        "  (each wait for a Pod to start or stop is a watch: one list and one watch request, `list pods`)"
     );
 }
 
