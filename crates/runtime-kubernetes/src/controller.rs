@@ -224,7 +224,7 @@ impl Controller {
         .default_backoff()
         .reflect(anchor_writer)
         .applied_objects()
-        .map(|anchor| anchor.map(|lease| session_of(&lease.metadata)));
+        .map(|anchor| anchor.map(|lease| names::session_of(&lease.metadata)));
         let pods = watcher(
             self.runtime.pods().await?.clone(),
             watcher::Config::default().labels(&format!("{selector},{}=worker", names::ROLE)),
@@ -232,7 +232,7 @@ impl Controller {
         .default_backoff()
         .reflect(pod_writer)
         .applied_objects()
-        .map(|pod| pod.map(|pod| session_of(&pod.metadata)));
+        .map(|pod| pod.map(|pod| names::session_of(&pod.metadata)));
         let (sender, receiver) = mpsc::unbounded_channel();
         let mut merged = futures_util::stream::select(anchors, pods).boxed();
         let task = tokio::spawn(async move {
@@ -314,9 +314,4 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-fn session_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<SessionId> {
-    let id = SessionId::parse(meta.labels.as_ref()?.get(names::SESSION)?).ok()?;
-    names::belongs_to(meta, &id).then_some(id)
 }

@@ -128,6 +128,12 @@ pub(crate) fn installation_selector(installation: &str) -> String {
     )
 }
 
+/// The session an object is labelled for, if its annotation confirms it.
+pub(crate) fn session_of(meta: &ObjectMeta) -> Option<SessionId> {
+    let id = SessionId::parse(meta.labels.as_ref()?.get(SESSION)?).ok()?;
+    belongs_to(meta, &id).then_some(id)
+}
+
 /// Whether an object found under one of our names is the session's own: it must carry the
 /// session's full id in its annotation (and its label). Anything else is foreign and is never
 /// adopted, changed or deleted.

@@ -302,7 +302,7 @@ pub(crate) fn session_dirs(profile: &WorkerProfile, id: &SessionId) -> (String, 
     (format!("{base}{WORKSPACE_DIR}"), format!("{base}{HOME_DIR}"))
 }
 
-fn plain_env(name: &str, value: String) -> EnvVar {
+pub(crate) fn plain_env(name: &str, value: String) -> EnvVar {
     EnvVar {
         name: name.to_owned(),
         value: Some(value),

@@ -46,7 +46,7 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
     let policy = runtime.policy().await;
     let by_session: HashMap<SessionId, &Pod> = workers
         .iter()
-        .filter_map(|pod| Some((session_of(&pod.metadata)?, pod)))
+        .filter_map(|pod| Some((names::session_of(&pod.metadata)?, pod)))
         .collect();
     let mut named_claims = BTreeSet::new();
     let mut unreadable = BTreeSet::new();
@@ -86,7 +86,7 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
         }
     }
     for claim in &claims {
-        let Some(id) = session_of(&claim.metadata) else {
+        let Some(id) = names::session_of(&claim.metadata) else {
             continue;
         };
         let name = claim.name_any();
@@ -366,12 +366,6 @@ where
         .await
         .map_err(|e| api_error(&format!("listing {what}"), e))?
         .items)
-}
-
-/// The session an object is labelled for, if its annotation confirms it.
-fn session_of(meta: &ObjectMeta) -> Option<SessionId> {
-    let id = SessionId::parse(meta.labels.as_ref()?.get(names::SESSION)?).ok()?;
-    names::belongs_to(meta, &id).then_some(id)
 }
 
 /// Whether an object without a record is past the orphan grace (see `orphan_grace`).

@@ -10,8 +10,8 @@
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, PersistentVolumeClaimVolumeSource, Pod,
-    PodSpec, PodTemplateSpec, SecretVolumeSource, Volume, VolumeMount,
+    ConfigMapVolumeSource, Container, EmptyDirVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
+    PodTemplateSpec, SecretVolumeSource, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -24,7 +24,9 @@ use session_runtime::{Error, Result};
 
 use crate::api::{api_error, is_status};
 use crate::names;
-use crate::pod::{owned_by_anchor, restricted_container, restricted_pod, session_dirs, PREPARE_MOUNT};
+use crate::pod::{
+    owned_by_anchor, plain_env, restricted_container, restricted_pod, session_dirs, PREPARE_MOUNT,
+};
 use crate::profile::{HomeTemplate, WorkerProfile};
 use crate::record::SeedRecord;
 use crate::record::SessionRecord;
@@ -140,14 +142,14 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
 
     let home = format!("{PREPARE_MOUNT}/{home_dir}");
     let mut env = vec![
-        plain("HOME", home.clone()),
-        plain("TMPDIR", "/tmp".to_owned()),
-        plain("GIT_TERMINAL_PROMPT", "0".to_owned()),
+        plain_env("HOME", home.clone()),
+        plain_env("TMPDIR", "/tmp".to_owned()),
+        plain_env("GIT_TERMINAL_PROMPT", "0".to_owned()),
     ];
     if let Some(seed) = spec.seed {
-        env.push(plain("OAB_SEED_GIT_URL", seed.git_url.clone()));
+        env.push(plain_env("OAB_SEED_GIT_URL", seed.git_url.clone()));
         if let Some(reference) = &seed.git_reference {
-            env.push(plain("OAB_SEED_GIT_REF", reference.clone()));
+            env.push(plain_env("OAB_SEED_GIT_REF", reference.clone()));
         }
     }
     let container = Container {
@@ -256,14 +258,6 @@ fn pod_failure(pod: &Pod) -> Option<String> {
     match crate::start::progress(pod) {
         crate::start::Progress::Failed(cause) => Some(cause.to_string()),
         _ => None,
-    }
-}
-
-fn plain(name: &str, value: String) -> EnvVar {
-    EnvVar {
-        name: name.to_owned(),
-        value: Some(value),
-        ..EnvVar::default()
     }
 }
 
