@@ -40,6 +40,17 @@ kind load image-archive "$("$repo/e2e/images/build" worker)" --name "$cluster"
 
 # The deploy files, exactly as an operator applies them.
 kubectl apply --server-side --field-manager openab-e2e -k "$repo/deploy/kubernetes"
+# The tests' StorageClass, here on kind's own local-path provisioner (its directories are
+# world-writable, so the worker uid can write them).
+kubectl apply --server-side --field-manager openab-e2e -f - <<'YAML'
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata:
+  name: openab-test-local
+provisioner: rancher.io/local-path
+reclaimPolicy: Delete
+volumeBindingMode: WaitForFirstConsumer
+YAML
 kubectl -n openab-sessions wait --for=jsonpath='{.metadata.name}'=default serviceaccount/default --timeout=60s
 
 # The broker's kubeconfig: its ServiceAccount's token, the admin file's server and CA.
@@ -59,3 +70,4 @@ cargo test --locked -p runtime-kubernetes --all-features --tests -- --ignored \
   --skip a_pod_scheduled_onto_a_kwok_node_becomes_ready \
   --skip a_claim_of_the_test_storage_class_binds_and_its_volume_goes_with_it \
   --skip the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_off_the_bridge
+cargo test --locked -p openab-runtime --all-features --test kubernetes_cli -- --ignored
