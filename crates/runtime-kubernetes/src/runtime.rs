@@ -130,6 +130,9 @@ pub(crate) struct Housekeeping {
     pub(crate) closed_record_ttl: Duration,
     pub(crate) delete_orphaned_storage: bool,
     pub(crate) orphan_grace: Duration,
+    /// How long an attachment keeps reconnecting to a relay that went away; `None`: the relay
+    /// client's default (30 s).
+    pub(crate) reconnect_budget: Option<Duration>,
 }
 
 impl Default for Housekeeping {
@@ -139,6 +142,7 @@ impl Default for Housekeeping {
             closed_record_ttl: Duration::from_secs(7 * 24 * 3600),
             delete_orphaned_storage: false,
             orphan_grace: Duration::from_secs(60),
+            reconnect_budget: None,
         }
     }
 }
@@ -201,6 +205,14 @@ impl KubernetesRuntimeBuilder {
     /// broker, whose record the pass did not see yet.
     pub fn orphan_grace(mut self, grace: Duration) -> Self {
         self.housekeeping.orphan_grace = grace;
+        self
+    }
+
+    /// How long an attachment keeps reconnecting to its worker's relay after the connection
+    /// broke before it ends with an error (default 30 s): a worker whose Pod was deleted or whose
+    /// node vanished is reported to the attachment this late, and the next `attach` replaces it.
+    pub fn relay_reconnect_budget(mut self, budget: Duration) -> Self {
+        self.housekeeping.reconnect_budget = Some(budget);
         self
     }
 
@@ -862,7 +874,10 @@ impl KubernetesRuntime {
             });
         }
         let connector = self.connector(id, &pod, profile.relay_port).await?;
-        let config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
+        let mut config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
+        if let Some(budget) = self.housekeeping.reconnect_budget {
+            config = config.give_up_after(budget);
+        }
         let client = RelayClient::new(config, connector);
         let (fence, trigger) = Fence::new(*id, generation);
         let attachment = self.connect(id, &pod, client.attach(fence)).await?;

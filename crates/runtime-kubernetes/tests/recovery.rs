@@ -1,0 +1,78 @@
+//! A worker Pod that is killed under a live attachment: the attachment ends with an error (it does
+//! not hang), and the next attach replaces the worker with a new generation on the same volume.
+//!
+//! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
+//! --test recovery -- --ignored`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{builder, AdminConfigMap, WORKER_PROFILE};
+use session_runtime::config::Reach;
+use session_runtime::testing::AcpClient;
+use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
+use test_cluster::k8s_openapi::api::core::v1::Pod;
+use test_cluster::kube::api::DeleteParams;
+use test_cluster::kube::Api;
+use test_cluster::{unique_name, TestCluster};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on_the_same_volume() {
+    let installation = unique_name("recovery");
+    let cluster = TestCluster::connect().await;
+    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let runtime = builder(&cluster, &profile, Reach::PodIp, &installation)
+        .relay_reconnect_budget(Duration::from_secs(3))
+        .build()
+        .expect("runtime");
+    let identity = SessionIdentity::new(&installation, "agent", "test", "killed").expect("identity");
+    let id = identity.id();
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+    client.initialize().await.expect("initialize");
+    let wrote = client.exec("echo kept > killed-marker").await.expect("exec");
+    assert!(wrote.success(), "{wrote:?}");
+    let first = runtime.status(&id).await.expect("status").generation;
+
+    // The node loses the Pod at once, as a force delete or a vanished node does.
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    pods.delete(
+        &format!("oab-w-{id}"),
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        },
+    )
+    .await
+    .expect("kill the worker");
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Err(error) = client.exec("true").await {
+                return error;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the attachment of a killed worker ends with an error instead of hanging");
+    eprintln!("the old attachment ended with: {ended}");
+    drop(client);
+
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach replaces the worker"));
+    client.initialize().await.expect("initialize");
+    let status = runtime.status(&id).await.expect("status");
+    assert!(
+        status.generation > first,
+        "a new generation: {} after {first}",
+        status.generation
+    );
+    let read = client.exec("cat killed-marker").await.expect("exec");
+    assert_eq!(read.stdout, "kept\n", "the same volume: {read:?}");
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
