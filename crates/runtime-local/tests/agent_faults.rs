@@ -71,6 +71,55 @@ async fn a_missing_agent_fails_attach_with_enoent_in_every_mode() {
     }
 }
 
+/// An agent built under a directory the sandbox replaces (a checkout under the host's /tmp, as CI
+/// makes one) is still found and started: bubblewrap binds the program itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_under_the_hosts_tmp_starts_in_every_mode() {
+    use_built_landlock_helper();
+    let built = session_runtime::testing::acp_test_agent_binary().expect("acp-test-agent");
+    let elsewhere = tempfile::Builder::new()
+        .prefix("agent-in-tmp-")
+        .tempdir_in("/tmp")
+        .expect("a directory under /tmp");
+    let program = elsewhere.path().join("acp-test-agent");
+    std::fs::copy(&built, &program).expect("copy the agent");
+    std::fs::set_permissions(
+        elsewhere.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = tempfile::tempdir().expect("root");
+        let builder = runtime_local::LocalRuntime::builder(AgentCommand::new(program.display().to_string()))
+            .root(root.path())
+            .installation("tmp-agent")
+            .sandbox(mode);
+        let Some(runtime) = common::build_if_supported(builder, mode) else {
+            continue;
+        };
+        let identity = SessionIdentity::new("tmp-agent", "agent", "discord", "t").expect("identity");
+        let id = identity.id();
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        let attachment = runtime
+            .attach(&id)
+            .await
+            .unwrap_or_else(|error| panic!("{mode}: an agent under /tmp must start: {error}"));
+        let client = session_runtime::testing::AcpClient::new(attachment);
+        client
+            .initialize()
+            .await
+            .unwrap_or_else(|error| panic!("{mode}: initialize: {error}"));
+        drop(client);
+        runtime
+            .close(&id, session_runtime::CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+}
+
 /// Whether this process may create cgroups (the tests below need it); says so when not.
 fn cgroups_usable() -> bool {
     let root = rustix::process::geteuid().is_root();

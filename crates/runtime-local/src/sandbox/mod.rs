@@ -398,12 +398,30 @@ impl Sandbox {
             SandboxKind::Bubblewrap => Path::new(SANDBOX_WORKSPACE).join(path),
             SandboxKind::None | SandboxKind::Landlock => dirs.workspace.join(path),
         };
-        let found = if program.contains('/') {
-            exists(&in_workspace(Path::new(program)))
+        let path = Path::new(program);
+        let found = if self.kind() == SandboxKind::Bubblewrap && path.is_absolute() && !self.shows_own(path) {
+            // bubblewrap binds a program from outside the sandbox's own directories (see
+            // `program_mount`), even from a host directory the sandbox replaces, such as /tmp.
+            std::fs::metadata(path).is_ok_and(|meta| !meta.is_dir())
+        } else if program.contains('/') {
+            exists(&in_workspace(path))
         } else {
             std::env::split_paths(path_var).any(|dir| exists(&in_workspace(&dir.join(program))))
         };
         (!found).then(|| std::io::Error::from_raw_os_error(rustix::io::Errno::NOENT.raw_os_error()))
+    }
+
+    /// Whether `path` is inside what a bubblewrap sandbox shows of its own: the workspace, HOME,
+    /// state or a read-only input.
+    fn shows_own(&self, path: &Path) -> bool {
+        [SANDBOX_WORKSPACE, SANDBOX_HOME, SANDBOX_STATE]
+            .iter()
+            .any(|own| path.starts_with(own))
+            || self
+                .inner
+                .readonly
+                .iter()
+                .any(|mount| path.starts_with(mount.target()))
     }
 
     /// The host path behind `path` as a bubblewrap sandbox shows it: its own directories and
