@@ -68,6 +68,10 @@ pub(crate) struct WorkerRecord {
     /// The Pod's UID once created.
     pub(crate) pod_uid: Option<String>,
     pub(crate) started_at: u64,
+    /// The epoch of the broker that holds the worker's attachment: a broker with a newer epoch
+    /// (and the same key) may take it over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) holder_epoch: Option<u64>,
 }
 
 /// What a close decided for the storage.

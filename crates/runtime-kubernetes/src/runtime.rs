@@ -64,6 +64,9 @@ pub struct KubernetesRuntime {
     retention: RetentionPolicy,
     pub(crate) housekeeping: Housekeeping,
     key: BrokerKey,
+    /// Whether the key was given (so other brokers may hold it too): only then can this broker
+    /// take over a worker another broker started.
+    shared_key: bool,
     epoch: u64,
     /// Serializes the operations of one session within this broker process; across brokers the
     /// anchor's compare-and-swap does.
@@ -217,7 +220,10 @@ impl KubernetesRuntimeBuilder {
     }
 
     /// The broker's secret for relay tokens. Brokers that must re-attach to each other's workers
-    /// (a restart, a handover) share it; default: a random key for this process.
+    /// (a restart, a handover) share it: with a shared key, an attach of a session whose worker
+    /// another, older broker attached takes that worker over (same generation, the agent's
+    /// unacknowledged output replayed) instead of replacing it. Default: a random key for this
+    /// process, and every attach from this process starts a new worker when none of its own runs.
     pub fn broker_key(mut self, key: BrokerKey) -> Self {
         self.key = Some(key);
         self
@@ -236,6 +242,7 @@ impl KubernetesRuntimeBuilder {
     /// [`Error::Backend`] if no random broker key could be made.
     pub fn build(self) -> Result<KubernetesRuntime> {
         let namespace = self.config.namespace.as_str();
+        let shared_key = self.key.is_some();
         let key = match self.key {
             Some(key) => key,
             None => random_key()?,
@@ -261,6 +268,7 @@ impl KubernetesRuntimeBuilder {
             retention: self.retention,
             housekeeping: self.housekeeping,
             key,
+            shared_key,
             epoch,
             locks: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
@@ -831,6 +839,12 @@ impl KubernetesRuntime {
             ));
         }
         let profile = self.profile().await?;
+        let reusable = self.shared_key && !self.live.lock().contains_key(id);
+        if reusable {
+            if let Some(attachment) = self.take_over(id, &profile).await? {
+                return Ok(attachment);
+            }
+        }
         let mut generation = 0;
         let (anchor, record) = self
             .update(id, |record| {
@@ -850,6 +864,7 @@ impl KubernetesRuntime {
                     generation: next.generation,
                     pod_uid: None,
                     started_at: now(),
+                    holder_epoch: Some(self.epoch),
                 });
                 next.last_activity = now();
                 next.profile_version = Some(profile.version().to_owned());
@@ -873,14 +888,66 @@ impl KubernetesRuntime {
                 operation: "attach",
             });
         }
-        let connector = self.connector(id, &pod, profile.relay_port).await?;
+        self.open(id, &pod, generation, &profile).await
+    }
+
+    /// Takes over the running worker of the current generation from the broker that attached
+    /// it (a restarted broker, or another replica) instead of starting a new one: the relay
+    /// accepts this broker's newer epoch, fences the older broker's stream, and replays the
+    /// agent's output that broker had not acknowledged, so a turn in flight continues. Only
+    /// for brokers that share the key the worker's token came from, and only when this
+    /// broker's epoch is newer than the holder's; `None` sends the caller to a new generation.
+    async fn take_over(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<Attachment>> {
+        let (lease, record) = self.load_existing(id).await?;
+        let Some(held) = record
+            .worker
+            .as_ref()
+            .filter(|_| record.state() == SessionState::Running)
+        else {
+            return Ok(None);
+        };
+        if held.generation != record.generation || held.holder_epoch.is_none_or(|epoch| epoch >= self.epoch) {
+            return Ok(None);
+        }
+        let Some(pod) = self.worker(id).await?.filter(|pod| {
+            pod.metadata.deletion_timestamp.is_none()
+                && names::pod_generation(&pod.metadata) == Some(record.generation)
+                && matches!(progress(pod), Progress::Ready)
+        }) else {
+            return Ok(None);
+        };
+        let mut next = record.clone();
+        if let Some(worker) = next.worker.as_mut() {
+            worker.holder_epoch = Some(self.epoch);
+        }
+        next.last_activity = now();
+        match self.swap(&lease, &next).await {
+            Ok(_) => {}
+            // Another broker changed the session first: a new generation settles it.
+            Err(Swap::Lost) => return Ok(None),
+            Err(Swap::Failed(error)) => return Err(error),
+        }
+        tracing::info!(session = %id, generation = record.generation, epoch = self.epoch, "taking over the running worker");
+        self.open(id, &pod, record.generation, profile).await.map(Some)
+    }
+
+    /// Connects to the relay of `pod`, the worker of `generation`, and keeps the attachment as
+    /// this process's live one.
+    async fn open(
+        &self,
+        id: &SessionId,
+        pod: &Pod,
+        generation: Generation,
+        profile: &WorkerProfile,
+    ) -> Result<Attachment> {
+        let connector = self.connector(id, pod, profile.relay_port).await?;
         let mut config = ClientConfig::with_key(*id, generation, self.epoch, &self.key);
         if let Some(budget) = self.housekeeping.reconnect_budget {
             config = config.give_up_after(budget);
         }
         let client = RelayClient::new(config, connector);
         let (fence, trigger) = Fence::new(*id, generation);
-        let attachment = self.connect(id, &pod, client.attach(fence)).await?;
+        let attachment = self.connect(id, pod, client.attach(fence)).await?;
         let renewal = tokio::spawn(renew_while_live(
             self.leases().await?.clone(),
             *id,
