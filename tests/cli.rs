@@ -617,3 +617,59 @@ fn run_reports_an_agent_killed_by_its_memory_limit_as_out_of_memory() {
         "{output:?}"
     );
 }
+
+/// `-- ARGV` keeps `[agent]`'s environment rules, and `--env` adds to them: `KEY=VALUE` sets a
+/// variable, `KEY` passes the caller's value through; nothing else of the caller's reaches it.
+#[test]
+fn run_keeps_the_configured_environment_with_an_argv_and_adds_env_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path().join("sessions");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[agent]\ncommand = \"/bin/false\"\nenv = {{ FROM_CONFIG = \"configured\" }}\ninherit_env = [\"OAB_TEST_INHERITED\"]\n\
+             [session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {root:?}\n"
+        ),
+    );
+    let script = "echo \"config=$FROM_CONFIG inherited=$OAB_TEST_INHERITED set=$FROM_FLAG passed=$OAB_TEST_PASSED leaked=$OAB_TEST_LEAKED\"";
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "discord", "--thread", "env"])
+        .args(["--env", "FROM_FLAG=flagged", "--env", "OAB_TEST_PASSED"])
+        .args(["--", "/bin/sh", "-c", script])
+        .env("OAB_TEST_INHERITED", "inherited")
+        .env("OAB_TEST_PASSED", "passed")
+        .env("OAB_TEST_LEAKED", "leaked")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        stdout.trim(),
+        "config=configured inherited=inherited set=flagged passed=passed leaked=",
+        "{output:?}"
+    );
+    let refused = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args([
+            "run",
+            "--platform",
+            "discord",
+            "--thread",
+            "env2",
+            "--env",
+            "=value",
+            "--",
+            "/bin/true",
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--env"),
+        "{refused:?}"
+    );
+}

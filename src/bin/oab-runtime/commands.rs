@@ -20,8 +20,9 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             platform,
             thread,
             agent,
+            env,
             argv,
-        } => crate::run::run(settings, &platform, &thread, &agent, argv).await,
+        } => crate::run::run(settings, &platform, &thread, &agent, argv, &env).await,
         Command::Ls => ls(&runtime(&settings, None)?).await,
         Command::Status { id } => {
             let status = runtime(&settings, None)?.status(&session_id(&id)?).await?;

@@ -57,7 +57,13 @@ enum Command {
         /// The agent part of the identity.
         #[arg(long, default_value = "default")]
         agent: String,
-        /// The agent command, overriding `[agent]` in the configuration.
+        /// An environment variable of the agent: `KEY=VALUE` sets it, `KEY` passes this shell's
+        /// value through. Repeatable. The runtime clears the agent's environment: it sees only
+        /// `[agent].env`, `[agent].inherit_env` and these (and its own `HOME`, `PATH`, `TMPDIR`).
+        #[arg(long = "env", value_name = "KEY[=VALUE]")]
+        env: Vec<String>,
+        /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
+        /// `inherit_env` still apply).
         #[arg(last = true, value_name = "AGENT ARGV")]
         argv: Vec<String>,
     },

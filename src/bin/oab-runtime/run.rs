@@ -65,13 +65,52 @@ enum Ending {
     StdoutFailed,
 }
 
+/// The agent `run` starts: `-- ARGV` replaces the configured command and arguments but keeps
+/// `[agent]`'s environment rules, and each `--env` adds one (`KEY=VALUE` sets, `KEY` inherits).
+fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Result<AgentCommand, Error> {
+    let mut agent = match (argv.split_first(), &settings.agent) {
+        (Some((program, args)), configured) => {
+            let mut agent = AgentCommand::new(program).args(args.iter().cloned());
+            if let Some(configured) = configured {
+                agent.env = configured.env.clone();
+                agent.inherit_env = configured.inherit_env.clone();
+            }
+            agent
+        }
+        (None, Some(configured)) => configured.clone(),
+        (None, None) => crate::commands::bundled_test_agent()?,
+    };
+    for entry in env {
+        let (key, value) = match entry.split_once('=') {
+            Some((key, value)) => (key, Some(value)),
+            None => (entry.as_str(), None),
+        };
+        if key.is_empty() || key.contains('\0') || value.is_some_and(|v| v.contains('\0')) {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "--env {entry:?}: expected KEY=VALUE or KEY, with a non-empty KEY and no NUL byte"
+                ),
+            });
+        }
+        match value {
+            Some(value) => {
+                agent.env.insert(key.to_owned(), value.to_owned());
+            }
+            None => agent.inherit_env.push(key.to_owned()),
+        }
+    }
+    Ok(agent)
+}
+
 pub(crate) async fn run(
     settings: Settings,
     platform: &str,
     thread: &str,
     agent_name: &str,
     argv: Vec<String>,
+    env: &[String],
 ) -> Outcome {
+    let agent = agent_command(&settings, argv, env)?;
     // Before anything starts: a signal from here on suspends what was started.
     let mut signals = StopSignals::install()?;
     // Whatever the agent leaves behind when its parent exits is reparented to `run` instead of
@@ -79,10 +118,7 @@ pub(crate) async fn run(
     if let Err(error) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
         eprintln!("oab-runtime: cannot adopt the agent's orphans: {error}");
     }
-    let agent = argv
-        .split_first()
-        .map(|(program, args)| AgentCommand::new(program).args(args.iter().cloned()));
-    let runtime = runtime(&settings, agent)?;
+    let runtime = runtime(&settings, Some(agent))?;
     let identity = SessionIdentity::new(
         settings.runtime.installation.as_str(),
         agent_name,
