@@ -59,7 +59,7 @@ enum Command {
         agent: String,
         /// An environment variable of the agent: `KEY=VALUE` sets it, `KEY` passes this shell's
         /// value through. Repeatable. The runtime clears the agent's environment: it sees only
-        /// `[agent].env`, `[agent].inherit_env` and these (and its own `HOME`, `PATH`, `TMPDIR`).
+        /// `[agent].env`, `[agent].inherit_env` and these (and its own `HOME`, `TMPDIR`, `PATH`, `USER`).
         #[arg(long = "env", value_name = "KEY[=VALUE]")]
         env: Vec<String>,
         /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
