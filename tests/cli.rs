@@ -86,6 +86,34 @@ fn verify_passes_for_the_default_runtime() {
     assert!(stdout.contains(" 0 leaked"), "{stdout}");
 }
 
+/// Landlock mode passes too (its shared input shown where it is, since Landlock cannot move a
+/// file), and the report names its isolation as what it is: access control, not namespaces.
+#[test]
+fn verify_passes_in_landlock_mode_and_names_its_isolation() {
+    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_oab-runtime")).with_file_name("oab-landlock-exec");
+    assert!(
+        helper.exists(),
+        "{} is missing: cargo build -p runtime-local --bin oab-landlock-exec (cargo test --workspace builds it)",
+        helper.display()
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = write_config(dir.path(), "[session_runtime.local]\nsandbox = \"landlock\"\n");
+    let output = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .arg("verify")
+        .output()
+        .expect("run oab-runtime");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "verify must pass in Landlock mode:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains(" 0 leaked"), "{stdout}");
+    assert!(stderr.contains("isolation level access-control"), "{stderr}");
+}
+
 #[test]
 fn verify_fails_and_names_the_leaks_in_plain_mode() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | `none` | the agent, as upstream OpenAB runs it (own process group, cleared environment) | **none**: any session can read and delete any other's files; logged at startup |
 //! | `bubblewrap` | the agent in new mount, pid, ipc and uts namespaces; only its own storage is mounted (`/workspace`, `/home/agent`), system directories read-only | OS-enforced ([`IsolationLevel::Namespaces`](session_runtime::IsolationLevel)) |
-//! | `landlock` | the agent restricted by Landlock to its own storage and read-only system paths | OS-enforced; hides other sessions' existence only with a distinct uid per session |
+//! | `landlock` | the agent restricted by Landlock to its own storage and read-only system paths | OS-enforced ([`IsolationLevel::AccessControl`](session_runtime::IsolationLevel)); hides other sessions' existence only with a distinct uid per session |
 //! | `auto` | bubblewrap if it works here, else Landlock, else refuses to create isolated sessions and says how to install bubblewrap | |
 //!
 //! In every mode a worker inherits no descriptor of the broker's but its standard streams: the

@@ -139,10 +139,13 @@ fn assert_leaked(probe: &Probe, evidence_contains: &str) {
 
 /// The shape every passing report must have: nothing skipped (step 7 ran), every attack of
 /// steps 4 and 6 denied, the shared input written by neither session.
-fn assert_full_pass(report: &IsolationReport) {
+fn assert_full_pass(report: &IsolationReport, declared: IsolationLevel) {
     assert!(report.passed(), "{report:#}");
     assert!(report.skipped.is_empty(), "step 7 must run:\n{report:#}");
-    assert_eq!(report.declared_isolation, IsolationLevel::Namespaces);
+    assert_eq!(
+        report.declared_isolation, declared,
+        "each mode names its isolation truthfully"
+    );
     for (step, attacker) in [(4, Side::B), (6, Side::A)] {
         for action in [
             Action::Scan,
@@ -193,7 +196,7 @@ async fn bubblewrap_sessions_are_isolated_and_share_a_read_only_input() {
         )
         .with_extra_scan_path(root.path().display().to_string());
     let report = run_suite(&runtime, &options).await;
-    assert_full_pass(&report);
+    assert_full_pass(&report, IsolationLevel::Namespaces);
     // Each session sees its own storage at the fixed in-sandbox paths, never a host path.
     for side in [Side::A, Side::B] {
         let session = report.session(side);
@@ -239,7 +242,7 @@ async fn landlock_sessions_with_their_own_uids_are_isolated() {
         )
         .with_extra_scan_path(root.path().display().to_string());
     let report = run_suite(&runtime, &options).await;
-    assert_full_pass(&report);
+    assert_full_pass(&report, IsolationLevel::AccessControl);
     // Landlock shows host paths: each session works in its own directory under the root.
     for side in [Side::A, Side::B] {
         let session = report.session(side);

@@ -345,6 +345,12 @@ impl ReconcileReport {
 pub enum IsolationLevel {
     /// None: every session can read and write every other session's files.
     None,
+    /// Kernel access control on a shared view of the filesystem (Landlock, and a user per
+    /// session where the broker may switch users): a session cannot open, list or change another's
+    /// files, but it shares the host's mounts, processes and network, and can `stat` a path it
+    /// already knows unless the user per session hides it.
+    #[serde(rename = "access-control")]
+    AccessControl,
     /// Kernel namespaces and filesystem restrictions on a shared kernel.
     Namespaces,
     /// A separate Pod (namespaces, cgroup, network identity, own volume).
@@ -353,7 +359,7 @@ pub enum IsolationLevel {
     MicroVm,
 }
 
-display_as_serde_name!(IsolationLevel { None => "none", Namespaces => "namespaces", Pod => "pod", MicroVm => "microvm" });
+display_as_serde_name!(IsolationLevel { None => "none", AccessControl => "access-control", Namespaces => "namespaces", Pod => "pod", MicroVm => "microvm" });
 
 /// What a runtime can do, declared once as data. Callers and the conformance suite branch on it;
 /// an operation outside it returns [`Error::Unsupported`](crate::Error::Unsupported).
@@ -413,5 +419,26 @@ impl Capabilities {
     pub const fn with_max_lifetime(mut self, max: Option<Duration>) -> Self {
         self.max_lifetime = max;
         self
+    }
+}
+
+#[cfg(test)]
+mod isolation_names {
+    use super::IsolationLevel;
+
+    #[test]
+    fn each_isolation_level_displays_as_it_serializes() {
+        for level in [
+            IsolationLevel::None,
+            IsolationLevel::AccessControl,
+            IsolationLevel::Namespaces,
+            IsolationLevel::Pod,
+            IsolationLevel::MicroVm,
+        ] {
+            let serialized = serde_json::to_string(&level).expect("serialize");
+            assert_eq!(serialized, format!("\"{level}\""));
+        }
+        assert!(IsolationLevel::None < IsolationLevel::AccessControl);
+        assert!(IsolationLevel::AccessControl < IsolationLevel::Namespaces);
     }
 }

@@ -30,17 +30,23 @@ pub(crate) async fn run(
         options = options.with_extra_scan_path(root.display().to_string());
     }
     // A shared read-only input, as centrally managed skills would be, for step 7. Plain mode
-    // cannot mount one, so it has none.
+    // cannot mount one, so it has none. It is shown at its own host path, since Landlock can
+    // only grant access where a file is, not move it; and not under /tmp, which bubblewrap
+    // replaces with the session's own.
+    let shared = tempfile::Builder::new()
+        .prefix("oab-runtime-verify-")
+        .tempdir_in("/var/tmp")?;
     if local.sandbox != SandboxMode::None {
-        let skills = scratch.path().join("skills");
+        let skills = shared.path().join("skills");
         std::fs::create_dir_all(&skills)?;
         std::fs::write(
             skills.join("SKILL.md"),
             "# shared skill\nread-only for every session\n",
         )?;
-        let mount = openab_runtime::config::ReadonlyMount::new(skills, "/opt/openab-verify/skills")?;
+        let shown = skills.display().to_string();
+        let mount = openab_runtime::config::ReadonlyMount::new(skills.clone(), shown.as_str())?;
         local.readonly.push(mount);
-        options = options.with_shared_input(SharedInput::new("/opt/openab-verify/skills/SKILL.md"));
+        options = options.with_shared_input(SharedInput::new(format!("{shown}/SKILL.md")));
     }
     eprintln!(
         "oab-runtime verify: building the {} runtime (sandbox {})...",

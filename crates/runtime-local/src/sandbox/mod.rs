@@ -344,11 +344,13 @@ impl Sandbox {
         }
     }
 
-    /// How strongly sessions are separated: `None` for plain mode, `Namespaces` otherwise.
+    /// How strongly sessions are separated: `None` for plain mode, `Namespaces` for bubblewrap,
+    /// `AccessControl` for Landlock (no namespaces: access rules on the host's own view).
     pub(crate) fn isolation(&self) -> IsolationLevel {
         match self.kind() {
             SandboxKind::None => IsolationLevel::None,
-            SandboxKind::Bubblewrap | SandboxKind::Landlock => IsolationLevel::Namespaces,
+            SandboxKind::Bubblewrap => IsolationLevel::Namespaces,
+            SandboxKind::Landlock => IsolationLevel::AccessControl,
         }
     }
 
