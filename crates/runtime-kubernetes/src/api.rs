@@ -27,6 +27,28 @@ pub(crate) fn api_error(what: &str, error: kube::Error) -> Error {
     Error::backend(RUNTIME, retryable, format!("{what}{hint}"), error)
 }
 
+/// Deletes `object` only if it is still the version that was read (UID and resourceVersion
+/// preconditions): `true` when it was deleted, `false` when it is gone or changed since, which
+/// leaves the decision to the next look at it.
+pub(crate) async fn delete_if_unchanged<K>(api: &kube::Api<K>, object: &K, what: &str) -> Result<bool, Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Sync,
+{
+    use kube::ResourceExt;
+    let params = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: object.uid(),
+            resource_version: object.resource_version(),
+        }),
+        ..kube::api::DeleteParams::default()
+    };
+    match api.delete(&object.name_any(), &params).await {
+        Ok(_) => Ok(true),
+        Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(false),
+        Err(error) => Err(api_error(what, error)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

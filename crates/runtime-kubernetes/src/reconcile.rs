@@ -12,11 +12,11 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{DeleteParams, ListParams, Preconditions};
+use kube::api::ListParams;
 use kube::ResourceExt;
 use session_runtime::{ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason};
 
-use crate::api::{api_error, is_status};
+use crate::api::{api_error, delete_if_unchanged};
 use crate::names;
 use crate::record::{now, CloseRecord, Phase, ReconcileNote, SessionRecord, Volume};
 use crate::runtime::{KubernetesRuntime, Swap, KILL_GRACE};
@@ -301,37 +301,18 @@ async fn expire_record(
     if !due || record.holds_storage() {
         return Ok(());
     }
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: anchor.uid(),
-            resource_version: anchor.resource_version(),
-        }),
-        ..DeleteParams::default()
-    };
-    match runtime.leases().await?.delete(&anchor.name_any(), &params).await {
-        Ok(_) => report.expired_records.push(*id),
-        Err(error) if is_status(&error, 404) || is_status(&error, 409) => {}
-        Err(error) => return Err(api_error(&format!("removing the closed record of {id}"), error)),
+    let what = format!("removing the closed record of {id}");
+    if delete_if_unchanged(runtime.leases().await?, anchor, &what).await? {
+        report.expired_records.push(*id);
     }
     Ok(())
 }
 
 async fn delete_orphaned_claim(runtime: &KubernetesRuntime, claim: &PersistentVolumeClaim) -> Result<()> {
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: claim.uid(),
-            resource_version: claim.resource_version(),
-        }),
-        ..DeleteParams::default()
-    };
-    match runtime.claims().await?.delete(&claim.name_any(), &params).await {
-        Ok(_) => Ok(()),
-        Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
-        Err(error) => Err(api_error(
-            &format!("deleting orphaned claim {}", claim.name_any()),
-            error,
-        )),
-    }
+    let what = format!("deleting orphaned claim {}", claim.name_any());
+    delete_if_unchanged(runtime.claims().await?, claim, &what)
+        .await
+        .map(drop)
 }
 
 /// Records what the pass did on the session's status. Best effort: the action itself is done,

@@ -13,7 +13,6 @@ use std::time::Duration;
 use common::{AdminConfigMap, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection};
 use session_runtime::config::{KubernetesConfig, Reach};
-use session_runtime::conformance::FaultInjector;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState};
 use test_cluster::faults::{Faults, Rule};
 use test_cluster::k8s_openapi::api::core::v1::PersistentVolumeClaim;
@@ -155,21 +154,12 @@ async fn a_controller_whose_watch_breaks_resumes_it_and_still_acts() {
     )
     .await;
 
-    let broker = common::runtime(&cluster, &profile, Reach::Exec, &installation);
-    let identity = SessionIdentity::new(&installation, "agent", "test", "watched").expect("identity");
-    let id = identity.id();
-    broker
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
-    broker
-        .record_closing(&id, CloseReason::Reset)
-        .await
-        .expect("record the close");
-    wait_until(
-        "the controller to finish the close",
+    common::finished_interrupted_close(
+        &cluster,
+        &profile,
+        &installation,
+        "watched",
         Duration::from_secs(60),
-        || async { (broker.status(&id).await.expect("status").state == SessionState::Closed).then_some(()) },
     )
     .await;
     let _ = stop.send(());

@@ -13,9 +13,8 @@ use std::time::Duration;
 use common::{runtime, AdminConfigMap, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection, Term};
 use session_runtime::config::Reach;
-use session_runtime::conformance::FaultInjector;
-use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SessionState};
-use test_cluster::{unique_name, wait_until, TestCluster};
+use session_runtime::SessionRuntime;
+use test_cluster::{unique_name, TestCluster};
 use tokio::sync::{mpsc, oneshot};
 
 const TERM: Duration = Duration::from_secs(3);
@@ -159,22 +158,12 @@ async fn a_leader_finishes_an_interrupted_close_from_the_watch_before_its_next_p
     });
     first_pass.await.expect("the leader's first full pass");
 
-    let broker = common::runtime(&cluster, &profile, Reach::Exec, &installation);
-    let identity = SessionIdentity::new(&installation, "agent", "test", "interrupted").expect("identity");
-    let id = identity.id();
-    broker
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
-    // A broker killed right after it recorded the close.
-    broker
-        .record_closing(&id, CloseReason::Reset)
-        .await
-        .expect("record the close");
-    wait_until(
-        "the controller to finish the close",
+    let id = common::finished_interrupted_close(
+        &cluster,
+        &profile,
+        &installation,
+        "interrupted",
         Duration::from_secs(30),
-        || async { (broker.status(&id).await.expect("status").state == SessionState::Closed).then_some(()) },
     )
     .await;
     let mut finished_by_watch = false;
@@ -187,7 +176,7 @@ async fn a_leader_finishes_an_interrupted_close_from_the_watch_before_its_next_p
         finished_by_watch,
         "the close was finished by a watch-triggered pass"
     );
-    let status = broker.status(&id).await.expect("status");
+    let status = runtime.status(&id).await.expect("status");
     assert!(status
         .last_reconcile
         .is_some_and(|note| note.action.contains("close")));

@@ -120,3 +120,32 @@ pub fn runtime(
             .expect("a runtime"),
     )
 }
+
+/// Leaves a session as a broker killed right after it recorded a close (`Reset`) would, and waits
+/// up to `within` for someone else (a controller) to finish that close. Returns the session.
+pub async fn finished_interrupted_close(
+    cluster: &TestCluster,
+    profile: &AdminConfigMap,
+    installation: &str,
+    thread: &str,
+    within: std::time::Duration,
+) -> session_runtime::SessionId {
+    use session_runtime::conformance::FaultInjector;
+    use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SessionState};
+    let broker = runtime(cluster, profile, Reach::Exec, installation);
+    let identity = SessionIdentity::new(installation, "agent", "test", thread).expect("identity");
+    let id = identity.id();
+    broker
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    broker
+        .record_closing(&id, CloseReason::Reset)
+        .await
+        .expect("record the close");
+    test_cluster::wait_until("the controller to finish the close", within, || async {
+        (broker.status(&id).await.expect("status").state == SessionState::Closed).then_some(())
+    })
+    .await;
+    id
+}
