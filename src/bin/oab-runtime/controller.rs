@@ -58,6 +58,7 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
         election.lease_name(),
         election.holder()
     );
+    let stop = shutdown();
     let mut controller = Controller::new(Arc::new(runtime), election).resync(args.resync);
     let mut events = controller.subscribe();
     tokio::spawn(async move {
@@ -75,7 +76,7 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
             }
         }
     });
-    controller.run(shutdown()).await?;
+    controller.run(stop).await?;
     eprintln!("oab-runtime controller: stopped, Lease released");
     Ok(ExitCode::SUCCESS)
 }
@@ -96,9 +97,11 @@ fn default_holder() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// SIGTERM (a Pod's stop), SIGINT or SIGHUP.
+/// Resolves at SIGTERM (a Pod's stop), SIGINT or SIGHUP. The handlers are installed when this is
+/// called, not when the future is first polled: a signal that arrives while the controller takes
+/// the Lease must stop it cleanly, not kill it with the Lease still held.
 #[cfg(feature = "kubernetes")]
-async fn shutdown() {
+fn shutdown() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut streams = Vec::new();
     for kind in [
@@ -111,6 +114,12 @@ async fn shutdown() {
             Err(error) => eprintln!("oab-runtime controller: cannot handle a signal: {error}"),
         }
     }
-    let waits = streams.iter_mut().map(|s| Box::pin(s.recv()));
-    futures_util::future::select_all(waits).await;
+    async move {
+        if streams.is_empty() {
+            // No signal can stop it: it runs until it is killed.
+            return std::future::pending().await;
+        }
+        let waits = streams.iter_mut().map(|s| Box::pin(s.recv()));
+        futures_util::future::select_all(waits).await;
+    }
 }
