@@ -14,24 +14,40 @@ use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{unique_name, wait_until, TestCluster};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test --features kubernetes -- --ignored"]
-async fn the_controller_command_leads_and_gives_the_lease_up_on_sigterm() {
-    let cluster = TestCluster::connect().await;
-    let installation = unique_name("cli");
+/// An OpenAB configuration file for `type = "kubernetes"` with `installation` and `profile`, and
+/// `extra` keys of the kubernetes table; the directory holding it goes when dropped.
+fn configuration(
+    cluster: &TestCluster,
+    installation: &str,
+    profile: &str,
+    extra: &str,
+) -> (tempfile::TempDir, std::path::PathBuf) {
     let directory = tempfile::tempdir().expect("a directory");
     let config = directory.path().join("openab.toml");
     std::fs::write(
         &config,
         format!(
             "[session_runtime]\ntype = \"kubernetes\"\ninstallation = \"{installation}\"\n\
-             [session_runtime.kubernetes]\nnamespace = \"{}\"\nprofile = \"isolated-worker\"\n",
+             [session_runtime.kubernetes]\nnamespace = \"{}\"\nprofile = \"{profile}\"\n{extra}",
             cluster.sessions_namespace()
         ),
     )
     .expect("write the configuration");
-    let broker_kubeconfig =
-        std::env::var("OPENAB_BROKER_KUBECONFIG").expect("scripts/cluster env sets OPENAB_BROKER_KUBECONFIG");
+    (directory, config)
+}
+
+/// The broker's kubeconfig, which `oab-runtime` gets as its `KUBECONFIG`.
+fn broker_kubeconfig() -> String {
+    std::env::var("OPENAB_BROKER_KUBECONFIG").expect("scripts/cluster env sets OPENAB_BROKER_KUBECONFIG")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test --features kubernetes -- --ignored"]
+async fn the_controller_command_leads_and_gives_the_lease_up_on_sigterm() {
+    let cluster = TestCluster::connect().await;
+    let installation = unique_name("cli");
+    let (_directory, config) = configuration(&cluster, &installation, "isolated-worker", "");
+    let broker_kubeconfig = broker_kubeconfig();
     let controller = Command::new(env!("CARGO_BIN_EXE_oab-runtime"))
         .arg("--config")
         .arg(&config)
@@ -129,19 +145,8 @@ async fn verify_proves_isolation_between_worker_pods_and_says_what_it_proved() {
         &PROFILE.replace("SKILLS", &skills),
     )
     .await;
-    let directory = tempfile::tempdir().expect("a directory");
-    let config = directory.path().join("openab.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[session_runtime]\ntype = \"kubernetes\"\ninstallation = \"{installation}\"\n\
-             [session_runtime.kubernetes]\nnamespace = \"{}\"\nprofile = \"{installation}\"\nreach = \"exec\"\n",
-            cluster.sessions_namespace()
-        ),
-    )
-    .expect("write the configuration");
-    let broker_kubeconfig =
-        std::env::var("OPENAB_BROKER_KUBECONFIG").expect("scripts/cluster env sets OPENAB_BROKER_KUBECONFIG");
+    let (_directory, config) = configuration(&cluster, &installation, &installation, "reach = \"exec\"\n");
+    let broker_kubeconfig = broker_kubeconfig();
     let output = tokio::task::spawn_blocking(move || {
         Command::new(env!("CARGO_BIN_EXE_oab-runtime"))
             .arg("--config")
