@@ -108,13 +108,18 @@
 //! oab-relay serve [--listen ADDR]... [--http ADDR] [--session ID] [--generation N]
 //!                 [--workdir DIR] [--replay-bytes N] [--overflow block|discard]
 //!                 [--heartbeat 30s] [--linger 60s] [--term-grace 10s] -- <agent argv>
+//! oab-relay serve --agentcore [--http ADDR] [options] -- <agent argv>
 //! oab-relay connect [ADDR]        # stdio <-> the local relay, for pods/exec
 //! ```
 //!
 //! `serve` reads `OAB_RELAY_SESSION`, `OAB_RELAY_GENERATION` and `OAB_RELAY_TOKEN_SHA256`
 //! (never passed on to the agent), listens on TCP port [`DEFAULT_PORT`](server::DEFAULT_PORT)
 //! unless told otherwise, and with `--http 0.0.0.0:8080` serves AgentCore's contract (`GET /ping`,
-//! WebSocket `/ws`, `POST /invocations`). It prints one `oab-relay: listening on <kind> <addr>`
+//! WebSocket `/ws`, `POST /invocations`). With `--agentcore` it needs no session, generation
+//! or token hash: it serves only that contract (on `0.0.0.0:8080` by default), takes them from
+//! the runtime session id AgentCore passes in each `/ws` request's header ([`agentcore`]), and
+//! replaces the agent for each newer generation ([`AgentCoreServer`](server::AgentCoreServer)).
+//! It prints one `oab-relay: listening on <kind> <addr>`
 //! line per listener to stdout, forwards `SIGTERM`/`SIGINT` to the agent's process group, acts as
 //! a child subreaper and reaps every orphan, and exits with the agent's exit code (128 + signal
 //! for a signal, 127 if it could not be started).
@@ -150,6 +155,7 @@
 //! - Benchmarks: `cargo bench -p worker-relay --bench relay` (ratios against a raw pipe and raw
 //!   loopback TCP in the same run, and the relay's memory with a full replay buffer).
 
+pub mod agentcore;
 pub mod client;
 mod error;
 pub mod protocol;

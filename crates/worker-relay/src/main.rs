@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{signal, SignalKind};
 use worker_relay::server::DEFAULT_PORT;
+use worker_relay::server::{AgentCoreServer, RelayTemplate};
 use worker_relay::token::TOKEN_HASH_ENV;
 use worker_relay::{Overflow, Relay, RelayConfig, TokenHash};
 
@@ -60,6 +61,12 @@ struct Serve {
     /// `--http` alone listens on AgentCore's 0.0.0.0:8080.
     #[arg(long, num_args = 0..=1, default_missing_value = "0.0.0.0:8080")]
     http: Option<SocketAddr>,
+    /// AgentCore mode: serve only the HTTP contract (default 0.0.0.0:8080) and take the session,
+    /// its incarnation and the token hash from the runtime session id AgentCore passes in the
+    /// X-Amzn-Bedrock-AgentCore-Runtime-Session-Id header; each newer worker generation replaces
+    /// the agent. No session, generation or token hash is configured.
+    #[arg(long, conflicts_with_all = ["listen", "session", "generation"])]
+    agentcore: bool,
     /// The session id (default: $OAB_RELAY_SESSION).
     #[arg(long)]
     session: Option<String>,
@@ -158,8 +165,82 @@ fn fail(message: &str) -> i32 {
     2
 }
 
+/// The relay configuration for one session and generation, from the command line.
+fn relay_config(serve: &Serve, session: String, generation: u64, token_hash: TokenHash) -> RelayConfig {
+    let mut config = RelayConfig::new(session, generation, token_hash, serve.agent.clone())
+        .replay_bytes(serve.replay_bytes)
+        .input_bytes(serve.input_bytes)
+        .overflow(match serve.overflow {
+            OverflowArg::Block => Overflow::Block,
+            OverflowArg::Discard => Overflow::Discard,
+        })
+        .heartbeat(serve.heartbeat)
+        .handshake_timeout(serve.handshake_timeout)
+        .linger(serve.linger)
+        .reap_orphans(!serve.no_reap);
+    if let Some(workdir) = &serve.workdir {
+        config = config.working_dir(workdir.clone());
+    }
+    config
+}
+
+fn become_subreaper(serve: &Serve) {
+    if !serve.no_reap && std::process::id() != 1 {
+        // Orphaned descendants of the agent are re-parented to us, so we can reap them.
+        if let Err(error) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
+            tracing::warn!(%error, "cannot become a child subreaper");
+        }
+    }
+}
+
+fn print_listening(lines: &[String]) {
+    let mut stdout = std::io::stdout().lock();
+    for line in lines {
+        let _ = writeln!(stdout, "oab-relay: listening on {line}");
+    }
+    let _ = stdout.flush();
+}
+
+async fn run_agentcore(serve: Serve) -> i32 {
+    let addr = serve
+        .http
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 8080)));
+    become_subreaper(&serve);
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(term), Ok(int)) => (term, int),
+        (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
+    };
+    let listener = match TcpListener::bind(addr).await {
+        Ok(listener) => listener,
+        Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
+    };
+    let line = format!("http {}", local_addr(&listener, addr));
+    let handshake_timeout = serve.handshake_timeout;
+    let term_grace = serve.term_grace;
+    let template = RelayTemplate::new(move |session, generation, token_hash| {
+        relay_config(&serve, session.to_owned(), generation, token_hash)
+    });
+    let server = AgentCoreServer::new(template, handshake_timeout);
+    let serving = server.clone();
+    tokio::spawn(async move { serving.serve(listener).await });
+    print_listening(std::slice::from_ref(&line));
+    tracing::info!(listener = %line, "relay ready for AgentCore");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: stopping the agent"),
+        _ = int.recv() => tracing::info!("SIGINT: stopping the agent"),
+    }
+    server.stop(term_grace).await
+}
+
 async fn run_serve(serve: Serve) -> i32 {
-    let Some(session) = serve.session.or_else(|| std::env::var("OAB_RELAY_SESSION").ok()) else {
+    if serve.agentcore {
+        return run_agentcore(serve).await;
+    }
+    let Some(session) = serve
+        .session
+        .clone()
+        .or_else(|| std::env::var("OAB_RELAY_SESSION").ok())
+    else {
         return fail("no session: pass --session or set OAB_RELAY_SESSION");
     };
     let generation = match serve.generation {
@@ -175,30 +256,11 @@ async fn run_serve(serve: Serve) -> i32 {
         Ok(Err(why)) => return fail(&format!("{TOKEN_HASH_ENV}: {why}")),
         Err(_) => return fail(&format!("{TOKEN_HASH_ENV} is not set")),
     };
-    let mut config = RelayConfig::new(session, generation, token_hash, serve.agent)
-        .replay_bytes(serve.replay_bytes)
-        .input_bytes(serve.input_bytes)
-        .overflow(match serve.overflow {
-            OverflowArg::Block => Overflow::Block,
-            OverflowArg::Discard => Overflow::Discard,
-        })
-        .heartbeat(serve.heartbeat)
-        .handshake_timeout(serve.handshake_timeout)
-        .linger(serve.linger)
-        .reap_orphans(!serve.no_reap);
-    if let Some(workdir) = serve.workdir {
-        config = config.working_dir(workdir);
-    }
-    let relay = match Relay::new(config) {
+    let relay = match Relay::new(relay_config(&serve, session, generation, token_hash)) {
         Ok(relay) => relay,
         Err(error) => return fail(&error.to_string()),
     };
-    if !serve.no_reap && std::process::id() != 1 {
-        // Orphaned descendants of the agent are re-parented to us, so we can reap them.
-        if let Err(error) = rustix::process::set_child_subreaper(Some(rustix::process::getpid())) {
-            tracing::warn!(%error, "cannot become a child subreaper");
-        }
-    }
+    become_subreaper(&serve);
     let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
         (Ok(term), Ok(int)) => (term, int),
         (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
@@ -226,13 +288,7 @@ async fn run_serve(serve: Serve) -> i32 {
         let relay = relay.clone();
         tokio::spawn(async move { relay.serve_http(listener).await });
     }
-    {
-        let mut stdout = std::io::stdout().lock();
-        for line in &announce {
-            let _ = writeln!(stdout, "oab-relay: listening on {line}");
-        }
-        let _ = stdout.flush();
-    }
+    print_listening(&announce);
     tracing::info!(listeners = ?announce, generation, "relay ready");
     let term_grace = serve.term_grace;
     loop {

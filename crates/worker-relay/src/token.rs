@@ -90,6 +90,16 @@ impl fmt::Debug for TokenHash {
 }
 
 impl TokenHash {
+    /// A hash from its 32 bytes.
+    pub fn from_bytes(bytes: [u8; TOKEN_LEN]) -> Self {
+        Self(bytes)
+    }
+
+    /// The hash's bytes.
+    pub fn as_bytes(&self) -> &[u8; TOKEN_LEN] {
+        &self.0
+    }
+
     /// Parses 64 hex digits (either case).
     ///
     /// # Errors

@@ -16,6 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream
 use tokio::net::TcpStream;
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
@@ -140,23 +141,39 @@ impl AsyncWrite for CommandStream {
 #[derive(Debug, Clone)]
 pub struct WebSocketConnector {
     url: String,
+    headers: Vec<(String, String)>,
 }
 
 impl WebSocketConnector {
     /// A connector to `url`, e.g. `ws://127.0.0.1:8080/ws`.
     pub fn new(url: impl Into<String>) -> Self {
-        Self { url: url.into() }
+        Self {
+            url: url.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Sends `name: value` with every upgrade request (e.g. AgentCore's session header, as the
+    /// platform passes it to the container).
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
     }
 }
 
 #[async_trait]
 impl Connector for WebSocketConnector {
     async fn connect(&self) -> io::Result<Transport> {
-        let request = self
+        let mut request = self
             .url
             .as_str()
             .into_client_request()
             .map_err(io::Error::other)?;
+        for (name, value) in &self.headers {
+            let name = http::HeaderName::try_from(name.as_str()).map_err(io::Error::other)?;
+            let value = http::HeaderValue::try_from(value.as_str()).map_err(io::Error::other)?;
+            request.headers_mut().append(name, value);
+        }
         let uri = request.uri();
         if uri.scheme_str() != Some("ws") {
             return Err(io::Error::new(

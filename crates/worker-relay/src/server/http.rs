@@ -1,13 +1,20 @@
 //! AgentCore's container contract on one port: `GET /ping`, `GET /ws` (the framed protocol in
 //! WebSocket binary messages) and `POST /invocations`. One request per connection.
+//!
+//! Served for one relay, or for the [`Front`] that takes its session from AgentCore's header.
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::WebSocketStream;
 
+use super::agentcore::Front;
 use super::{AgentState, Relay};
+use crate::agentcore::SESSION_HEADER;
 use crate::protocol::VERSION;
 
 /// The longest request head accepted.
@@ -40,8 +47,22 @@ impl Request {
     }
 }
 
-pub(super) async fn serve(relay: Relay, mut stream: TcpStream) {
-    let patience = relay.inner.config.handshake_timeout;
+/// Who answers: one relay, or the AgentCore front that starts a relay per generation.
+pub(super) enum Target {
+    Relay(Relay),
+    AgentCore(Arc<Front>),
+}
+
+impl Target {
+    fn relay(&self) -> Option<Relay> {
+        match self {
+            Self::Relay(relay) => Some(relay.clone()),
+            Self::AgentCore(front) => front.current(),
+        }
+    }
+}
+
+pub(super) async fn serve(target: Target, mut stream: TcpStream, patience: Duration) {
     let request = match tokio::time::timeout(patience, read_head(&mut stream)).await {
         Ok(Ok(Some(request))) => request,
         Ok(Ok(None)) => return respond(&mut stream, 400, "Bad Request", "bad request\n").await,
@@ -50,39 +71,38 @@ pub(super) async fn serve(relay: Relay, mut stream: TcpStream) {
     let path = request.path.split('?').next().unwrap_or_default().to_owned();
     match (request.method.as_str(), path.as_str()) {
         ("GET" | "HEAD", "/ping") => {
-            let (busy, last) = relay.inner.status_for_ping();
+            let (busy, last) = target
+                .relay()
+                .map_or((false, 0), |relay| relay.inner.status_for_ping());
             let status = if busy { "HealthyBusy" } else { "Healthy" };
             let body = format!(r#"{{"status":"{status}","time_of_last_update":{last}}}"#);
             respond_json(&mut stream, 200, "OK", &body).await;
         }
-        ("GET", "/ws") => upgrade(relay, stream, &request).await,
+        ("GET", "/ws") => match target {
+            Target::Relay(relay) => {
+                if let Some(transport) = upgrade(stream, &request).await {
+                    relay.serve_connection(transport).await;
+                }
+            }
+            Target::AgentCore(front) => match front.admit(request.header(SESSION_HEADER)) {
+                Ok(()) => {
+                    if let Some(transport) = upgrade(stream, &request).await {
+                        front.serve_connection(transport).await;
+                    }
+                }
+                Err(refusal) => {
+                    respond(&mut stream, refusal.status, refusal.reason, &refusal.body).await;
+                }
+            },
+        },
         ("POST", "/invocations") => {
             if !drain_body(&mut stream, &request).await {
                 return respond(&mut stream, 413, "Payload Too Large", "body too large\n").await;
             }
-            let status = relay.status();
-            let agent = match status.agent {
-                AgentState::NotStarted => "not-started",
-                AgentState::Running { .. } => "running",
-                AgentState::Exited { .. } => "exited",
-                AgentState::SpawnFailed { .. } => "spawn-failed",
+            let body = match target.relay() {
+                Some(relay) => relay_document(&relay),
+                None => format!(r#"{{"relay":"oab-relay","protocol":{VERSION},"agent":"not-started"}}"#),
             };
-            let config = &relay.inner.config;
-            let body = format!(
-                concat!(
-                    r#"{{"relay":"oab-relay","protocol":{},"session":"{}","generation":{},"agent":"{}","#,
-                    r#""connected":{},"buffered_bytes":{},"output_last":{},"output_acked":{},"input_accepted":{}}}"#
-                ),
-                VERSION,
-                config.session,
-                config.generation,
-                agent,
-                status.connected,
-                status.buffered_bytes,
-                status.output_last,
-                status.output_acked,
-                status.input_accepted,
-            );
             respond_json(&mut stream, 200, "OK", &body).await;
         }
         (_, "/ping" | "/ws" | "/invocations") => {
@@ -90,6 +110,33 @@ pub(super) async fn serve(relay: Relay, mut stream: TcpStream) {
         }
         _ => respond(&mut stream, 404, "Not Found", "not found\n").await,
     }
+}
+
+/// The `/invocations` answer: what the relay and its agent are doing.
+fn relay_document(relay: &Relay) -> String {
+    let status = relay.status();
+    let agent = match status.agent {
+        AgentState::NotStarted => "not-started",
+        AgentState::Running { .. } => "running",
+        AgentState::Exited { .. } => "exited",
+        AgentState::SpawnFailed { .. } => "spawn-failed",
+    };
+    let config = &relay.inner.config;
+    format!(
+        concat!(
+            r#"{{"relay":"oab-relay","protocol":{},"session":"{}","generation":{},"agent":"{}","#,
+            r#""connected":{},"buffered_bytes":{},"output_last":{},"output_acked":{},"input_accepted":{}}}"#
+        ),
+        VERSION,
+        config.session,
+        config.generation,
+        agent,
+        status.connected,
+        status.buffered_bytes,
+        status.output_last,
+        status.output_acked,
+        status.input_accepted,
+    )
 }
 
 /// Reads a request head; `None` if it is malformed or too long.
@@ -146,26 +193,25 @@ async fn drain_body(stream: &mut TcpStream, request: &Request) -> bool {
     true
 }
 
-async fn upgrade(relay: Relay, mut stream: TcpStream, request: &Request) {
+/// Completes a WebSocket upgrade and returns the socket as a byte stream; answers 400 and returns
+/// `None` for a request that is not one.
+async fn upgrade(mut stream: TcpStream, request: &Request) -> Option<DuplexStream> {
     let key = request.header("sec-websocket-key").map(str::trim);
     let acceptable = request.header_has_token("upgrade", "websocket")
         && request.header_has_token("connection", "upgrade")
         && request.header("sec-websocket-version").map(str::trim) == Some("13");
     let (Some(key), true, true) = (key, acceptable, request.rest.is_empty()) else {
-        return respond(&mut stream, 400, "Bad Request", "not a websocket upgrade\n").await;
+        respond(&mut stream, 400, "Bad Request", "not a websocket upgrade\n").await;
+        return None;
     };
     let response = format!(
         "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {}\r\n\r\n",
         derive_accept_key(key.as_bytes())
     );
-    if stream.write_all(response.as_bytes()).await.is_err() {
-        return;
-    }
+    stream.write_all(response.as_bytes()).await.ok()?;
     let config = crate::transport::websocket_config();
     let socket = WebSocketStream::from_raw_socket(stream, Role::Server, Some(config)).await;
-    relay
-        .serve_connection(crate::transport::websocket_stream(socket))
-        .await;
+    Some(crate::transport::websocket_stream(socket))
 }
 
 async fn respond_json(stream: &mut TcpStream, status: u16, reason: &str, body: &str) {

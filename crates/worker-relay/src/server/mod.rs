@@ -2,6 +2,7 @@
 //! protocol to the broker over TCP, a stdio bridge or a WebSocket.
 
 mod agent;
+mod agentcore;
 mod conn;
 mod http;
 
@@ -26,6 +27,8 @@ use crate::protocol::{
     MAX_TEXT_LEN,
 };
 use crate::token::TokenHash;
+
+pub use self::agentcore::{AgentCoreServer, RelayTemplate};
 
 /// Default TCP port of `oab-relay serve` (and of `oab-relay connect`).
 pub const DEFAULT_PORT: u16 = 7780;
@@ -281,6 +284,7 @@ impl Relay {
                     input_accepted: 0,
                     stdout_closed: false,
                     terminating: false,
+                    retiring: false,
                     exit_seq: None,
                     finished: None,
                     last_activity: unix_now(),
@@ -351,8 +355,9 @@ impl Relay {
             match accepted {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
-                    let relay = self.clone();
-                    tokio::spawn(async move { http::serve(relay, stream).await });
+                    let patience = self.inner.config.handshake_timeout;
+                    let target = http::Target::Relay(self.clone());
+                    tokio::spawn(http::serve(target, stream, patience));
                 }
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
@@ -379,6 +384,37 @@ impl Relay {
             ),
             None => self.inner.finish_unless_running(),
         }
+    }
+
+    /// Ends this relay for good so that another may take over the worker's storage: the current
+    /// connection is superseded, the agent's process group is killed, and the relay finishes once
+    /// the agent is gone. Used when a newer generation arrives at a worker that outlives
+    /// generations (AgentCore's microVM): the old agent must be gone before the new one starts.
+    pub async fn retire(&self) {
+        let running = {
+            let mut state = self.inner.state.lock();
+            // The broker of the old generation hears `superseded` (it is fenced), not an exit.
+            if let Some(current) = state.current.take() {
+                current.superseded.cancel();
+            }
+            state.retiring = true;
+            matches!(state.agent, AgentState::Running { .. })
+        };
+        self.inner.bump();
+        if running {
+            self.inner.signal(RelaySignal::Kill, 0);
+            self.inner.agent_gone.cancelled().await;
+        }
+        {
+            let mut state = self.inner.state.lock();
+            let code = match &state.agent {
+                AgentState::Exited { status } => status.as_exit_code(),
+                AgentState::SpawnFailed { .. } => 127,
+                AgentState::NotStarted | AgentState::Running { .. } => 0,
+            };
+            Inner::finish_locked(&mut state, &self.inner.done, code);
+        }
+        self.inner.bump();
     }
 
     /// Waits until the relay is done: the agent exited and a broker acknowledged the exit (or
@@ -454,6 +490,8 @@ struct State {
     stdout_closed: bool,
     /// Whether a SIGTERM was forwarded to the agent.
     terminating: bool,
+    /// Whether [`Relay::retire`] began: no connection is accepted any more.
+    retiring: bool,
     exit_seq: Option<Seq>,
     finished: Option<i32>,
     last_activity: u64,
@@ -541,7 +579,7 @@ impl Inner {
                 ));
             }
         }
-        if state.finished.is_some() {
+        if state.finished.is_some() || state.retiring {
             return Err((ErrorCode::Internal, "the relay is shutting down".into()));
         }
         // Where the output this connection receives starts.

@@ -116,6 +116,8 @@ pub struct RelayOptions {
     pub workdir: Option<PathBuf>,
     /// Token hash override (default: the hash of `key()`'s token).
     pub token_hash: Option<String>,
+    /// AgentCore mode (`--agentcore`): HTTP only, the session comes from each request's header.
+    pub agentcore: bool,
 }
 
 impl Default for RelayOptions {
@@ -127,6 +129,7 @@ impl Default for RelayOptions {
             extra: Vec::new(),
             workdir: None,
             token_hash: None,
+            agentcore: false,
         }
     }
 }
@@ -145,11 +148,15 @@ impl RelayProcess {
     pub async fn start(session: SessionId, agent: &[OsString], options: RelayOptions) -> Self {
         let mut command = Command::new(RELAY);
         command.arg("serve");
-        if options.tcp {
-            command.args(["--listen", "127.0.0.1:0"]);
-        }
-        if options.http {
-            command.args(["--http", "127.0.0.1:0"]);
+        if options.agentcore {
+            command.args(["--http", "127.0.0.1:0", "--agentcore"]);
+        } else {
+            if options.tcp {
+                command.args(["--listen", "127.0.0.1:0"]);
+            }
+            if options.http {
+                command.args(["--http", "127.0.0.1:0"]);
+            }
         }
         if let Some(workdir) = &options.workdir {
             command.arg("--workdir").arg(workdir);
@@ -159,10 +166,13 @@ impl RelayProcess {
             .token_hash
             .clone()
             .unwrap_or_else(|| key().token(session.as_str(), options.generation).hash().to_hex());
+        if !options.agentcore {
+            command
+                .env("OAB_RELAY_SESSION", session.as_str())
+                .env("OAB_RELAY_GENERATION", options.generation.to_string())
+                .env("OAB_RELAY_TOKEN_SHA256", hash);
+        }
         command
-            .env("OAB_RELAY_SESSION", session.as_str())
-            .env("OAB_RELAY_GENERATION", options.generation.to_string())
-            .env("OAB_RELAY_TOKEN_SHA256", hash)
             .env(
                 "OAB_RELAY_LOG",
                 std::env::var("OAB_RELAY_LOG").unwrap_or_else(|_| "warn".into()),
@@ -176,7 +186,11 @@ impl RelayProcess {
         let mut lines = BufReader::new(stdout).lines();
         let mut tcp = None;
         let mut http = None;
-        let wanted = usize::from(options.tcp) + usize::from(options.http);
+        let wanted = if options.agentcore {
+            1
+        } else {
+            usize::from(options.tcp) + usize::from(options.http)
+        };
         for _ in 0..wanted {
             let line = tokio::time::timeout(PATIENCE, lines.next_line())
                 .await

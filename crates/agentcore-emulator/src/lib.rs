@@ -1,0 +1,1 @@
+//! An offline emulator of AWS Bedrock AgentCore Runtime's data plane, for tests (being built).

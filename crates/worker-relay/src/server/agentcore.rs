@@ -1,0 +1,295 @@
+//! AgentCore mode: a relay front that takes its session from the platform and runs one relay per
+//! worker generation.
+//!
+//! In a Pod the relay is told its session, generation and token hash through its environment.
+//! An AgentCore runtime's environment is shared by all its sessions, and its microVM lives as long
+//! as the runtime session, across the broker's worker generations. So the front:
+//!
+//! - binds to the [`RuntimeSessionId`] in the [`SESSION_HEADER`] of the first `/ws` request and
+//!   refuses any other one afterwards (one microVM serves one runtime session);
+//! - reads each connection's hello before any relay sees it and admits only the session the id
+//!   names, with the token whose hash the id carries;
+//! - gives a hello of the current generation to the current relay (resume, takeover), one of an
+//!   older generation to it too (which refuses it as stale), and for a newer generation retires
+//!   the current relay, killing its agent and waiting for it to be gone, before a relay for the
+//!   new generation starts the new agent: two generations never touch the storage at once.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, DuplexStream, ReadBuf};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::{http, refuse, Relay, RelayConfig};
+use crate::agentcore::{RuntimeSessionId, SESSION_HEADER};
+use crate::protocol::{decode_frame, ErrorCode, Frame, Hello, Peer};
+use crate::token::TokenHash;
+
+/// `(session, generation, token hash) -> configuration` of one generation's relay.
+type MakeConfig = dyn Fn(&str, u64, TokenHash) -> RelayConfig + Send + Sync;
+
+/// Makes the configuration of the relay for one generation.
+pub struct RelayTemplate(Box<MakeConfig>);
+
+impl RelayTemplate {
+    /// A template calling `make` for each new generation.
+    pub fn new(make: impl Fn(&str, u64, TokenHash) -> RelayConfig + Send + Sync + 'static) -> Self {
+        Self(Box::new(make))
+    }
+}
+
+impl fmt::Debug for RelayTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RelayTemplate")
+    }
+}
+
+/// Serves AgentCore's container contract (`GET /ping`, WebSocket `GET /ws`, `POST /invocations`)
+/// for the runtime session AgentCore names; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct AgentCoreServer {
+    front: Arc<Front>,
+}
+
+#[derive(Debug)]
+pub(super) struct Front {
+    template: RelayTemplate,
+    handshake_timeout: Duration,
+    bound: Mutex<Option<RuntimeSessionId>>,
+    current: Mutex<Option<Relay>>,
+    /// Serializes generation changes: a retire and the start of its successor are one step.
+    switching: tokio::sync::Mutex<()>,
+    stopped: CancellationToken,
+}
+
+/// An HTTP refusal of a `/ws` request, before the upgrade.
+#[derive(Debug)]
+pub(super) struct HttpRefusal {
+    pub(super) status: u16,
+    pub(super) reason: &'static str,
+    pub(super) body: String,
+}
+
+impl AgentCoreServer {
+    /// A front whose relays come from `template`; a connection has `handshake_timeout` to send
+    /// its hello.
+    pub fn new(template: RelayTemplate, handshake_timeout: Duration) -> Self {
+        Self {
+            front: Arc::new(Front {
+                template,
+                handshake_timeout,
+                bound: Mutex::new(None),
+                current: Mutex::new(None),
+                switching: tokio::sync::Mutex::new(()),
+                stopped: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// Serves `listener` until [`stop`](Self::stop).
+    ///
+    /// # Errors
+    /// Never for a single failed accept; the signature leaves room for a fatal listener failure.
+    pub async fn serve(&self, listener: TcpListener) -> std::io::Result<()> {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = self.front.stopped.cancelled() => return Ok(()),
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let target = http::Target::AgentCore(Arc::clone(&self.front));
+                    tokio::spawn(http::serve(target, stream, self.front.handshake_timeout));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// The runtime session this front serves, once the first `/ws` request named it.
+    pub fn bound(&self) -> Option<RuntimeSessionId> {
+        self.front.bound.lock().clone()
+    }
+
+    /// The relay of the newest generation, if one was started.
+    pub fn current(&self) -> Option<Relay> {
+        self.front.current()
+    }
+
+    /// Stops accepting connections and stops the current agent (`SIGTERM`, then `SIGKILL` after
+    /// `grace`); returns what the relay process should exit with once it is done.
+    pub async fn stop(&self, grace: Duration) -> i32 {
+        self.front.stopped.cancel();
+        let _switch = self.front.switching.lock().await;
+        let Some(relay) = self.front.current() else {
+            return 0;
+        };
+        relay.terminate(grace);
+        relay.finished().await
+    }
+}
+
+impl Front {
+    pub(super) fn current(&self) -> Option<Relay> {
+        self.current.lock().clone()
+    }
+
+    /// Checks a `/ws` request's runtime session id, binding the front to the first one.
+    pub(super) fn admit(&self, header: Option<&str>) -> Result<(), HttpRefusal> {
+        let refusal = |status, reason, body: String| HttpRefusal { status, reason, body };
+        let Some(header) = header else {
+            return Err(refusal(
+                400,
+                "Bad Request",
+                format!("no {SESSION_HEADER} header\n"),
+            ));
+        };
+        let id: RuntimeSessionId = header
+            .trim()
+            .parse()
+            .map_err(|error| refusal(400, "Bad Request", format!("{SESSION_HEADER}: {error}\n")))?;
+        let mut bound = self.bound.lock();
+        match &*bound {
+            Some(existing) if *existing != id => Err(refusal(
+                409,
+                "Conflict",
+                format!("this worker serves runtime session {existing}, not {id}\n"),
+            )),
+            Some(_) => Ok(()),
+            None => {
+                tracing::info!(
+                    session = id.session(),
+                    incarnation = id.incarnation(),
+                    "bound to the runtime session"
+                );
+                *bound = Some(id);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads the connection's hello, picks (or starts) the relay for its generation and hands
+    /// the connection, hello included, to it.
+    pub(super) async fn serve_connection(&self, mut transport: DuplexStream) {
+        let mut received = BytesMut::with_capacity(512);
+        let hello = loop {
+            match decode_frame(&received, Peer::Broker) {
+                Ok(Some((Frame::Hello(hello), _))) => break hello,
+                Ok(Some((frame, _))) => {
+                    let message = format!("expected a hello, not {:?}", frame.frame_type());
+                    return refuse(&mut transport, ErrorCode::UnexpectedFrame, message).await;
+                }
+                Ok(None) => {}
+                Err(error) => return refuse(&mut transport, error.code(), error.to_string()).await,
+            }
+            let read = tokio::time::timeout(self.handshake_timeout, transport.read_buf(&mut received)).await;
+            match read {
+                Ok(Ok(0) | Err(_)) => return,
+                Ok(Ok(_)) => {}
+                Err(_) => {
+                    let message = "no hello in time".to_owned();
+                    return refuse(&mut transport, ErrorCode::HandshakeTimeout, message).await;
+                }
+            }
+        };
+        let relay = match self.relay_for(&hello).await {
+            Ok(relay) => relay,
+            Err((code, message)) => return refuse(&mut transport, code, message).await,
+        };
+        relay
+            .serve_connection(Replayed {
+                head: received.freeze(),
+                rest: transport,
+            })
+            .await;
+    }
+
+    async fn relay_for(&self, hello: &Hello) -> Result<Relay, (ErrorCode, String)> {
+        let Some(bound) = self.bound.lock().clone() else {
+            return Err((ErrorCode::Internal, "not bound to a runtime session".into()));
+        };
+        if hello.session != bound.session() {
+            return Err((
+                ErrorCode::SessionMismatch,
+                format!("this worker serves another session than {}", hello.session),
+            ));
+        }
+        // Before anything is retired for it, the hello must prove it comes from the broker.
+        if !bound.token_hash().verify(&hello.token) {
+            return Err((ErrorCode::BadToken, "the token does not match".into()));
+        }
+        let _switch = self.switching.lock().await;
+        if self.stopped.is_cancelled() {
+            return Err((ErrorCode::Internal, "the worker is stopping".into()));
+        }
+        let current = self.current();
+        if let Some(relay) = current
+            .as_ref()
+            .filter(|r| r.config().generation >= hello.generation)
+        {
+            return Ok(relay.clone());
+        }
+        if let Some(previous) = current {
+            tracing::info!(
+                previous = previous.config().generation,
+                next = hello.generation,
+                "a newer generation: retiring the current agent"
+            );
+            previous.retire().await;
+        }
+        let config = (self.template.0)(bound.session(), hello.generation, *bound.token_hash());
+        let relay = Relay::new(config).map_err(|error| (ErrorCode::Internal, error.to_string()))?;
+        *self.current.lock() = Some(relay.clone());
+        Ok(relay)
+    }
+}
+
+/// A connection whose first bytes were already read: they are read again, then the rest.
+struct Replayed {
+    head: Bytes,
+    rest: DuplexStream,
+}
+
+impl AsyncRead for Replayed {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.head.has_remaining() {
+            let n = self.head.len().min(buf.remaining());
+            buf.put_slice(&self.head[..n]);
+            self.head.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.rest).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Replayed {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.rest).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.rest).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.rest).poll_shutdown(cx)
+    }
+}

@@ -1,0 +1,203 @@
+//! `oab-relay serve --agentcore`: the relay learns its session from AgentCore's runtime session
+//! header, admits only the broker's token for it, and runs one agent per worker generation, the
+//! old one gone before the new one starts.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{key, sh, within, RelayOptions, RelayProcess};
+use session_runtime::{Attachment, Error, Fence, FenceTrigger, SessionId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use worker_relay::agentcore::{RuntimeSessionId, SESSION_HEADER};
+use worker_relay::{BrokerKey, ClientConfig, RelayClient, WebSocketConnector};
+
+/// An agent that reports whether the previous generation's agent is still alive, then echoes.
+const AGENT: &str = "if [ -f agent.pid ] && kill -0 \"$(cat agent.pid)\" 2>/dev/null; \
+     then echo previous-alive; else echo previous-gone; fi; echo $$ > agent.pid; exec cat";
+
+fn runtime_session(session: SessionId, incarnation: u64, key: &BrokerKey) -> RuntimeSessionId {
+    RuntimeSessionId::new(
+        session.as_str(),
+        incarnation,
+        &key.token(session.as_str(), incarnation),
+    )
+    .expect("a runtime session id")
+}
+
+async fn start(session: SessionId, workdir: &std::path::Path) -> (RelayProcess, SocketAddr) {
+    let relay = RelayProcess::start(
+        session,
+        &sh(AGENT),
+        RelayOptions {
+            agentcore: true,
+            workdir: Some(workdir.to_owned()),
+            ..RelayOptions::default()
+        },
+    )
+    .await;
+    let http = relay.http.expect("an http listener");
+    (relay, http)
+}
+
+/// Attaches as `generation` of `session`, through the header of `header`, with `key`'s token for
+/// `incarnation`.
+async fn attach(
+    http: SocketAddr,
+    header: &RuntimeSessionId,
+    session: SessionId,
+    generation: u64,
+    incarnation: u64,
+    key: &BrokerKey,
+) -> Result<(Attachment, FenceTrigger), Error> {
+    let connector =
+        WebSocketConnector::new(format!("ws://{http}/ws")).header(SESSION_HEADER, header.to_string());
+    let token = key.token(session.as_str(), incarnation);
+    let config = ClientConfig::new(session, generation, generation, token)
+        .backoff(Duration::from_millis(5), Duration::from_millis(100))
+        .give_up_after(Duration::from_secs(3));
+    let (fence, trigger) = Fence::new(session, generation);
+    let attachment = within(
+        "attach",
+        RelayClient::new(config, Arc::new(connector)).attach(fence),
+    )
+    .await?;
+    Ok((attachment, trigger))
+}
+
+async fn read_line(attachment: &mut Attachment) -> std::io::Result<String> {
+    let mut line = Vec::new();
+    loop {
+        let mut byte = [0u8; 1];
+        let n = within("read", attachment.output().read(&mut byte)).await?;
+        if n == 0 || byte[0] == b'\n' {
+            return Ok(String::from_utf8_lossy(&line).into_owned());
+        }
+        line.push(byte[0]);
+    }
+}
+
+async fn http_status(http: SocketAddr, request: String) -> (u16, String) {
+    let mut stream = TcpStream::connect(http).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("request");
+    let mut response = String::new();
+    within("response", stream.read_to_string(&mut response))
+        .await
+        .expect("response");
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    (status, response)
+}
+
+fn upgrade_request(header: Option<&str>) -> String {
+    let header = header
+        .map(|value| format!("{SESSION_HEADER}: {value}\r\n"))
+        .unwrap_or_default();
+    format!(
+        "GET /ws HTTP/1.1\r\nHost: relay\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{header}\r\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_newer_generation_replaces_the_agent_after_the_old_one_is_gone() {
+    let dir = tempfile::tempdir().expect("a workdir");
+    let session = common::session("agentcore-generations");
+    let (_relay, http) = start(session, dir.path()).await;
+    let header = runtime_session(session, 1, &key());
+
+    let (mut first, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("generation 1");
+    assert_eq!(read_line(&mut first).await.expect("a line"), "previous-gone");
+    first.input().write_line("one").await.expect("write");
+    assert_eq!(read_line(&mut first).await.expect("echo"), "one");
+    let (status, ping) = http_status(http, "GET /ping HTTP/1.1\r\nHost: relay\r\n\r\n".into()).await;
+    assert_eq!(status, 200, "{ping}");
+
+    let (mut second, _) = attach(http, &header, session, 2, 1, &key())
+        .await
+        .expect("generation 2");
+    assert_eq!(
+        read_line(&mut second).await.expect("a line"),
+        "previous-gone",
+        "generation 1's agent must be gone before generation 2's starts"
+    );
+    second.input().write_line("two").await.expect("write");
+    assert_eq!(read_line(&mut second).await.expect("echo"), "two");
+    // Generation 1's stream ended: it was superseded, so its broker learns it was fenced.
+    let mut rest = Vec::new();
+    let ended = within("the old stream ends", first.output().read_to_end(&mut rest)).await;
+    let error = ended.expect_err("the old stream ends with an error");
+    assert!(
+        matches!(Error::from_io(&error), Some(Error::Fenced { .. })),
+        "{error:?}"
+    );
+
+    // An older generation is refused; the current one keeps working.
+    let stale = attach(http, &header, session, 1, 1, &key()).await;
+    assert!(stale.is_err(), "generation 1 after 2 must be refused");
+    second.input().write_line("still").await.expect("write");
+    assert_eq!(read_line(&mut second).await.expect("echo"), "still");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_bound_runtime_session_and_its_token_are_admitted() {
+    let dir = tempfile::tempdir().expect("a workdir");
+    let session = common::session("agentcore-admission");
+    let other = common::session("agentcore-other");
+    let (_relay, http) = start(session, dir.path()).await;
+    let header = runtime_session(session, 1, &key());
+
+    // Not bound yet: healthy, and the header is required and checked.
+    let (status, ping) = http_status(http, "GET /ping HTTP/1.1\r\nHost: relay\r\n\r\n".into()).await;
+    assert_eq!(status, 200);
+    assert!(ping.contains(r#""status":"Healthy""#), "{ping}");
+    assert_eq!(http_status(http, upgrade_request(None)).await.0, 400);
+    assert_eq!(
+        http_status(
+            http,
+            upgrade_request(Some("not-ours-0000000000000000000000000000"))
+        )
+        .await
+        .0,
+        400
+    );
+
+    // A token derived with another key is refused, and binds the worker to nothing else.
+    let intruder = BrokerKey::new(b"another broker's key, 32 bytes!!".to_vec());
+    let refused = attach(http, &header, session, 1, 1, &intruder).await;
+    assert!(
+        matches!(refused, Err(Error::Backend { retryable: false, .. })),
+        "{refused:?}"
+    );
+    // So is the token of another incarnation, and a hello for another session.
+    let refused = attach(http, &header, session, 1, 2, &key()).await;
+    assert!(
+        matches!(refused, Err(Error::Backend { retryable: false, .. })),
+        "{refused:?}"
+    );
+    let refused = attach(http, &header, other, 1, 1, &key()).await;
+    assert!(
+        matches!(refused, Err(Error::Backend { retryable: false, .. })),
+        "{refused:?}"
+    );
+
+    let (mut attachment, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("the broker");
+    assert_eq!(read_line(&mut attachment).await.expect("a line"), "previous-gone");
+
+    // Once bound, another runtime session id is refused before the upgrade.
+    let foreign = runtime_session(other, 1, &key()).to_string();
+    let (status, response) = http_status(http, upgrade_request(Some(&foreign))).await;
+    assert_eq!(status, 409, "{response}");
+    attachment.input().write_line("alive").await.expect("write");
+    assert_eq!(read_line(&mut attachment).await.expect("echo"), "alive");
+}
