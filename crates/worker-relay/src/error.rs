@@ -8,6 +8,7 @@ use std::time::Duration;
 use session_runtime::{Error, Generation, SessionId, WorkerFailure};
 
 use crate::protocol::{ErrorCode, FrameError};
+use crate::transport::Refusal;
 
 const RUNTIME: &str = "worker-relay";
 
@@ -69,8 +70,8 @@ impl RelayError {
                     | ErrorCode::InputOverflow
             ),
             RelayError::Diverged | RelayError::GaveUp { .. } => true,
-            RelayError::Connect(_)
-            | RelayError::Transport(_)
+            RelayError::Connect(error) => Refusal::from_io(error).is_some(),
+            RelayError::Transport(_)
             | RelayError::Frame(_)
             | RelayError::Protocol(_)
             | RelayError::Timeout(_) => false,
@@ -85,6 +86,7 @@ impl RelayError {
     /// | `resume-gap` | [`Error::Disconnected`] |
     /// | `spawn-failed` | [`Error::WorkerFailed`] with [`WorkerFailure::Spawn`] |
     /// | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | [`Error::Backend`], not retryable |
+    /// | the connector's [`Refusal`] | [`Error::Backend`], retryable as the refusal says |
     /// | never connected within the reconnect budget | [`Error::Backend`], retryable |
     /// | connection lost for longer than the reconnect budget, anything else | [`Error::Disconnected`] |
     pub(crate) fn to_runtime(self: &Arc<Self>, id: SessionId, generation: Generation) -> Error {
@@ -120,6 +122,10 @@ impl RelayError {
                 id,
                 generation,
                 current: generation,
+            },
+            RelayError::Connect(error) => match Refusal::from_io(error) {
+                Some(refusal) => backend(refusal.retryable(), refusal.message()),
+                None => Error::Disconnected { id },
             },
             RelayError::GaveUp {
                 ever_connected: false,

@@ -89,6 +89,7 @@
 //! | `resume-gap` | `Disconnected` |
 //! | `spawn-failed` | `WorkerFailed` with `WorkerFailure::Spawn` |
 //! | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | `Backend`, not retryable |
+//! | a connector's [`Refusal`] (e.g. AgentCore denied access) | `Backend`, at once, retryable as it says |
 //! | no connection within the reconnect budget on attach | `Backend`, retryable |
 //! | connection lost for longer than the reconnect budget | `Disconnected` |
 //!
@@ -167,4 +168,4 @@ pub use client::{ClientConfig, RelayClient};
 pub use protocol::{ErrorCode, Frame, FrameError};
 pub use server::{Overflow, Relay, RelayConfig};
 pub use token::{BrokerKey, Token, TokenHash};
-pub use transport::{CommandConnector, Connector, TcpConnector, Transport, WebSocketConnector};
+pub use transport::{CommandConnector, Connector, Refusal, TcpConnector, Transport, WebSocketConnector};

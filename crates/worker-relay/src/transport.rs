@@ -23,6 +23,48 @@ use tokio_tungstenite::WebSocketStream;
 
 use crate::protocol::MAX_PAYLOAD;
 
+/// A [`Connector`]'s answer that reconnecting will not change, such as a service that denied
+/// access: returned inside an [`io::Error`] ([`Refusal::into_io`]), it makes the client give up at
+/// once with an [`Error::Backend`](session_runtime::Error::Backend) of the same message and
+/// [`retryable`](Refusal::retryable) flag, where any other connect error is retried with backoff.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    retryable: bool,
+    message: String,
+}
+
+impl Refusal {
+    /// A refusal; `retryable` says whether the same attach may succeed later (e.g. once
+    /// credentials were refreshed), as [`Error::retryable`](session_runtime::Error::retryable) does.
+    pub fn new(retryable: bool, message: impl Into<String>) -> Self {
+        Self {
+            retryable,
+            message: message.into(),
+        }
+    }
+
+    /// Whether a later attach may succeed.
+    pub fn retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// What was refused, and why.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The refusal as an [`io::Error`] for [`Connector::connect`].
+    pub fn into_io(self) -> io::Error {
+        io::Error::new(io::ErrorKind::PermissionDenied, self)
+    }
+
+    /// The refusal inside `error`, if it carries one.
+    pub fn from_io(error: &io::Error) -> Option<&Refusal> {
+        error.get_ref().and_then(|inner| inner.downcast_ref::<Refusal>())
+    }
+}
+
 /// An ordered, reliable, full-duplex byte stream.
 pub trait ByteStream: AsyncRead + AsyncWrite + Send + Unpin {}
 
@@ -37,7 +79,8 @@ pub trait Connector: fmt::Debug + Send + Sync {
     /// Opens a new transport.
     ///
     /// # Errors
-    /// Whatever prevented the connection; the client retries with backoff.
+    /// Whatever prevented the connection; the client retries with backoff, unless the error
+    /// carries a [`Refusal`].
     async fn connect(&self) -> io::Result<Transport>;
 }
 

@@ -11,7 +11,7 @@ use session_runtime::{Attachment, Error, WorkerExit};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use worker_relay::protocol::{Frame, FrameReader, Hello, Peer};
-use worker_relay::{CommandConnector, ErrorCode, WebSocketConnector};
+use worker_relay::{ClientConfig, CommandConnector, ErrorCode, RelayClient, WebSocketConnector};
 
 async fn read_line(attachment: &mut Attachment) -> String {
     let mut line = Vec::new();
@@ -580,4 +580,50 @@ fn prepare_makes_private_session_directories() {
         String::from_utf8_lossy(&output.stderr).contains("prepare"),
         "{output:?}"
     );
+}
+
+/// A connector that is refused the same way every time.
+#[derive(Debug)]
+struct Refused(worker_relay::Refusal);
+
+#[async_trait::async_trait]
+impl worker_relay::Connector for Refused {
+    async fn connect(&self) -> std::io::Result<worker_relay::Transport> {
+        Err(self.0.clone().into_io())
+    }
+}
+
+/// A connector's refusal ends the attach at once with its own retryable flag and message, where
+/// any other connect error is retried until the reconnect budget runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connector_refusal_is_not_retried() {
+    let session = common::session("refused");
+    for retryable in [false, true] {
+        let connector = Arc::new(Refused(worker_relay::Refusal::new(
+            retryable,
+            "access denied by the service",
+        )));
+        let config =
+            ClientConfig::with_key(session, 1, 1, &common::key()).give_up_after(Duration::from_secs(60));
+        let started = std::time::Instant::now();
+        let (fence, _trigger) = session_runtime::Fence::new(session, 1);
+        let error = within("attach", RelayClient::new(config, connector).attach(fence))
+            .await
+            .expect_err("refused");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "not retried for the budget"
+        );
+        match error {
+            session_runtime::Error::Backend {
+                retryable: got,
+                message,
+                ..
+            } => {
+                assert_eq!(got, retryable);
+                assert_eq!(message, "access denied by the service");
+            }
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+    }
 }
