@@ -1,1 +1,147 @@
-//! An offline emulator of AWS Bedrock AgentCore Runtime's data plane, for tests (being built).
+//! An offline emulator of AWS Bedrock AgentCore Runtime's data plane, for tests.
+//!
+//! It listens on `127.0.0.1` (and contacts nothing but loopback), speaks the wire format the
+//! real `aws-sdk-bedrockagentcore` client sends and expects, verifies SigV4 signatures against
+//! static test credentials, and runs one isolated worker per runtime session id: by default an
+//! `oab-relay serve --http 127.0.0.1:0 --agentcore -- <agent>` under the local backend's sandbox,
+//! on a per-session storage directory that survives stop and resume.
+//!
+//! # Starting it and pointing the SDK at it
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use agentcore_emulator::{Emulator, WorkerCommand};
+//!
+//! let emulator = Emulator::builder()
+//!     .worker_command(WorkerCommand::relay("/path/to/oab-relay", ["/path/to/acp-test-agent"]))
+//!     .idle_timeout(std::time::Duration::from_secs(2))
+//!     .start()
+//!     .await?;
+//! println!("sandbox: {}", emulator.sandbox());
+//! // SDK (dev-dependency):
+//! // let creds = emulator.credentials();
+//! // let config = aws_sdk_bedrockagentcore::Config::builder()
+//! //     .behavior_version(BehaviorVersion::latest())
+//! //     .region(Region::new(emulator.region().to_owned()))
+//! //     .credentials_provider(Credentials::new(creds.access_key_id(), creds.secret_access_key(),
+//! //         creds.session_token().map(str::to_owned), None, "test"))
+//! //     .endpoint_url(emulator.endpoint_url())
+//! //     .build();
+//! // client.invoke_agent_runtime().agent_runtime_arn(emulator.runtime_arn().to_string()) …
+//! emulator.shutdown().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What it emulates
+//!
+//! | request | behaviour |
+//! |---|---|
+//! | `POST /runtimes/{arn}/invocations?qualifier=Q` | starts the session's worker if none runs, sends the payload to its `POST /invocations` (with the session id header, content type, accept, user id and trace headers), and streams its answer back chunk by chunk with the worker's content type. A worker answering non-2xx, or one that cannot be reached or started, is `424 RuntimeClientError`. |
+//! | `POST /runtimes/{arn}/stopruntimesession?qualifier=Q` | stops the session's worker now, cutting its in-flight streams (the client sees its stream fail); storage stays. A session with no running worker (never seen, already stopped, timed out) is `404 ResourceNotFoundException`: the emulator's choice, since the service's answer there is undocumented. |
+//! | `GET /runtimes/{arn}/ws?qualifier=Q` (WebSocket upgrade) | after verification, starts the worker if needed, sends the upgrade to its `GET /ws` with the session id header and the client's `Sec-WebSocket-*` headers, passes the worker's answer on and splices bytes both ways. |
+//!
+//! Shared by all three: the session id comes from the `X-Amzn-Bedrock-AgentCore-Runtime-Session-Id`
+//! header (or, for presigned URLs, the query parameter of that name) and must be 33 to 256
+//! characters (`400 ValidationException`); the path label is the percent-encoded runtime ARN (or
+//! a bare runtime id with `?accountId=`), unknown ones are `404 ResourceNotFoundException`, as is
+//! an unknown `qualifier` (default `DEFAULT`; add more with [`EmulatorBuilder::qualifier`]).
+//! Errors are `{"message": "..."}` with `x-amzn-errortype: <Name>` and its status. Connections
+//! are kept alive across requests unless the client sends `Connection: close`; a cut stream
+//! closes its connection.
+//!
+//! Checks happen in AWS's order: route, signature, runtime, qualifier, session id, then an armed
+//! fault, then the worker.
+//!
+//! # Signatures
+//!
+//! Header auth (`Authorization: AWS4-HMAC-SHA256 …`, `x-amz-date`, `x-amz-security-token`) and
+//! presigned query auth (`X-Amz-Algorithm` … `X-Amz-Signature`) are both recomputed with
+//! `aws-sigv4` from the request as received (method, encoded path, query, the headers it lists as
+//! signed, the body hash) at its own date, and compared in constant time. Refusals, all 403:
+//! none at all `MissingAuthenticationTokenException`; an unknown access key or session token
+//! `UnrecognizedClientException`; a token marked expired ([`Emulator::expire_session_token`])
+//! `ExpiredTokenException`; a wrong signature, a wrong region or service in the scope, or a date
+//! more than 5 minutes off (or past a presigned URL's `X-Amz-Expires`)
+//! `InvalidSignatureException` with AWS's texts; a malformed header `IncompleteSignatureException`.
+//! A presigned upgrade may hash its empty body either as the empty string or as
+//! `UNSIGNED-PAYLOAD`.
+//!
+//! # Workers and sandbox
+//!
+//! A [`WorkerLauncher`] starts one worker per runtime session (keyed by runtime ARN and session
+//! id) at its first invoke or `/ws`, and again after a stop. The default, [`LocalLauncher`],
+//! makes each runtime session a session of the local backend (`runtime-local`): sandbox `auto`
+//! (bubblewrap, else Landlock, else plain processes: [`Emulator::sandbox`] says which), `network
+//! = host` so the relay's loopback port is reachable, the local session's workspace as the
+//! session storage and the worker's working directory ([`Emulator::session_storage`] gives its
+//! host path), the agent binary bound read-only. Stop, idle timeout and lifetime end suspend the
+//! local session; storage expiry and [`Emulator::bump_runtime_version`] close it (its storage is
+//! deleted). A worker is anything that prints `oab-relay: listening on http 127.0.0.1:PORT` and
+//! then serves `GET /ping`, `GET /ws` and `POST /invocations` there ([`WorkerCommand::new`] for
+//! another program, or a [`WorkerLauncher`] of your own for in-process workers).
+//!
+//! # Lifecycle
+//!
+//! [`Lifecycle`]: idle timeout (900 s; a request or any stream byte is activity; at the timeout a
+//! worker whose `/ping` answers `{"status":"HealthyBusy"}` is kept), maximum lifetime (8 h; the
+//! worker is stopped at that age even mid-stream), storage expiry (14 days without use). All
+//! can be set down to milliseconds for tests. The emulator does not enforce AgentCore's
+//! 60 s minimum or idle ≤ lifetime.
+//!
+//! # Faults
+//!
+//! [`Emulator::fail_next`] makes the next N calls of an [`Operation`] answer a [`Fault`]
+//! (500 `InternalServerException`, 429 `ThrottlingException`, 403 `ExpiredTokenException`,
+//! 403 `AccessDeniedException`, 424 `RuntimeClientError`, 503 `ServiceUnavailableException`);
+//! a faulted call never reaches a worker. [`Emulator::drop_websockets`] cuts every open
+//! WebSocket of a session (both directions; the worker keeps running).
+//! [`Emulator::slow_stream`] delays every chunk forwarded from a worker. [`Emulator::requests`]
+//! is the request log ([`RequestRecord`]: operation, session id, qualifier, the SDK's
+//! `amz-sdk-request` attempt header, status), e.g. to assert that a stream was not retried.
+//!
+//! # What it does not emulate
+//!
+//! - IAM: any request signed with the test credentials may do anything (`AccessDenied` only as
+//!   a fault); no `InvokeAgentRuntimeForUser` check for `runtimeUserId`.
+//! - `InvokeAgentRuntimeCommand`, the `/ws/shells` interactive shell, MCP/A2A/AG-UI protocols,
+//!   OAuth (JWT) inbound auth, the control plane (`GetAgentRuntime` …), runtime versions other
+//!   than the reset of storage.
+//! - microVM isolation: workers are processes under the local sandbox, with the host's network.
+//! - Quotas, the 15/60 min request and stream caps, payload and chunk size limits other than a
+//!   100 MB request body, cold-start latency, termination taking up to 15 s.
+//! - TLS: plain `http://` and `ws://` only.
+//! - The service's exact answer for a stopped session (404 here) and whether an open but silent
+//!   WebSocket counts as activity (it does not here: only bytes do).
+
+mod arn;
+mod credentials;
+mod emulator;
+mod error;
+mod faults;
+mod http;
+mod lifecycle;
+mod local;
+mod proxy;
+mod server;
+mod sessions;
+mod sigv4;
+mod worker;
+
+pub use arn::{RuntimeArn, MAX_SESSION_ID_LEN, MIN_SESSION_ID_LEN};
+pub use credentials::TestCredentials;
+pub use emulator::{Emulator, EmulatorBuilder, DEFAULT_ACCOUNT, DEFAULT_REGION, DEFAULT_RUNTIME_ID};
+pub use error::{EmulatorError, ErrorKind, ServiceError, WorkerError};
+pub use faults::{Fault, Operation, RequestRecord};
+pub use lifecycle::Lifecycle;
+pub use local::{LocalLauncher, LocalLauncherBuilder, WorkerCommand};
+pub use session_runtime::config::SandboxMode;
+pub use session_runtime::IsolationLevel;
+pub use worker::{
+    read_announcement, RunningWorker, SandboxReport, SessionKey, WorkerLauncher, ANNOUNCEMENT_PREFIX,
+};
+
+/// The header carrying the runtime session id (also the presigned query parameter's name).
+pub const SESSION_HEADER: &str = "x-amzn-bedrock-agentcore-runtime-session-id";
+/// The query parameter name of the session id in a presigned URL, as AWS spells it.
+pub const SESSION_QUERY_PARAM: &str = "X-Amzn-Bedrock-AgentCore-Runtime-Session-Id";
