@@ -767,11 +767,63 @@ pub struct AgentCoreConfig {
     /// characters. Default `None`: [`AgentCoreConfig::DEFAULT_QUALIFIER`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qualifier: Option<String>,
+    /// The data-plane endpoint, for a VPC endpoint or a test emulator: `https://<host>[:port]`, or
+    /// `http://` to a loopback address only. Default `None`: AWS's endpoint for the region.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_url: Option<String>,
+    /// Where the broker keeps session records and its relay key (the backend's authority; AgentCore
+    /// keeps none). Default `/var/lib/openab/agentcore`.
+    #[serde(default = "AgentCoreConfig::default_state_dir")]
+    pub state_dir: PathBuf,
+    /// The agent runtime's `idleRuntimeSessionTimeout`, as configured on the runtime: AgentCore
+    /// stops a session's microVM after this long without traffic. 60 seconds to 8 hours; default
+    /// 900 seconds. It must match the runtime's setting; the broker cannot change it.
+    #[serde(default = "AgentCoreConfig::default_idle_timeout", with = "serde_duration")]
+    pub idle_timeout: Duration,
+    /// The agent runtime's `maxLifetime`: AgentCore stops a microVM this long after it started,
+    /// busy or not. 60 seconds to 8 hours, at least `idle_timeout`; default 8 hours.
+    #[serde(default = "AgentCoreConfig::default_max_lifetime", with = "serde_duration")]
+    pub max_lifetime: Duration,
+    /// Whether the agent runtime has a session storage filesystem (`sessionStorage`), whose mount
+    /// is the relay's working directory: files there outlive a stopped microVM. Default `false`:
+    /// nothing outlives the microVM, and the runtime says so.
+    #[serde(default)]
+    pub session_storage: bool,
+    /// Whether `suspend` stops the runtime session (`StopRuntimeSession`: compute is released at
+    /// once, the next attach starts a new microVM) or only detaches (the microVM idles until
+    /// `idle_timeout`). Default `true`.
+    #[serde(default = "AgentCoreConfig::default_stop_on_suspend")]
+    pub stop_on_suspend: bool,
+    /// How long an attach may take to reach the relay in the microVM (a cold start included).
+    /// More than zero, at most [`AgentCoreConfig::MAX_START_TIMEOUT`]; default 120 seconds.
+    #[serde(default = "AgentCoreConfig::default_start_timeout", with = "serde_duration")]
+    pub start_timeout: Duration,
 }
 
 impl AgentCoreConfig {
     /// The endpoint every agent runtime has, used when no qualifier is configured: `"DEFAULT"`.
     pub const DEFAULT_QUALIFIER: &'static str = "DEFAULT";
+
+    /// The default [`state_dir`](Self::state_dir).
+    pub const DEFAULT_STATE_DIR: &'static str = "/var/lib/openab/agentcore";
+
+    /// AgentCore's default [`idle_timeout`](Self::idle_timeout): 900 seconds.
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(900);
+
+    /// AgentCore's default [`max_lifetime`](Self::max_lifetime): 8 hours.
+    pub const DEFAULT_MAX_LIFETIME: Duration = Duration::from_secs(8 * 3600);
+
+    /// The shortest idle timeout and maximum lifetime AgentCore accepts: 60 seconds.
+    pub const MIN_LIFECYCLE: Duration = Duration::from_secs(60);
+
+    /// The longest idle timeout and maximum lifetime of a microVM runtime: 8 hours.
+    pub const MAX_LIFECYCLE: Duration = Duration::from_secs(8 * 3600);
+
+    /// The default [`start_timeout`](Self::start_timeout): 120 seconds.
+    pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// The longest [`start_timeout`](Self::start_timeout): 1 hour.
+    pub const MAX_START_TIMEOUT: Duration = Duration::from_secs(3600);
 
     /// Settings for the runtime `runtime_arn`, with every other key at its default.
     pub fn new(runtime_arn: impl Into<String>) -> Self {
@@ -779,7 +831,48 @@ impl AgentCoreConfig {
             runtime_arn: runtime_arn.into(),
             region: None,
             qualifier: None,
+            endpoint_url: None,
+            state_dir: Self::default_state_dir(),
+            idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
+            max_lifetime: Self::DEFAULT_MAX_LIFETIME,
+            session_storage: false,
+            stop_on_suspend: true,
+            start_timeout: Self::DEFAULT_START_TIMEOUT,
         }
+    }
+
+    fn default_state_dir() -> PathBuf {
+        PathBuf::from(Self::DEFAULT_STATE_DIR)
+    }
+
+    fn default_idle_timeout() -> Duration {
+        Self::DEFAULT_IDLE_TIMEOUT
+    }
+
+    fn default_max_lifetime() -> Duration {
+        Self::DEFAULT_MAX_LIFETIME
+    }
+
+    fn default_stop_on_suspend() -> bool {
+        true
+    }
+
+    fn default_start_timeout() -> Duration {
+        Self::DEFAULT_START_TIMEOUT
+    }
+
+    /// The runtime's ARN split into its parts, once [`SessionRuntimeConfig::validate`] accepted it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming `agentcore.runtime_arn` if it is not a runtime ARN.
+    pub fn parsed_arn(&self) -> Result<AgentCoreArn<'_>> {
+        parse_runtime_arn(&self.runtime_arn)
+            .map(|arn| AgentCoreArn {
+                region: arn.region,
+                account: arn.account,
+                runtime_id: arn.runtime_id,
+            })
+            .map_err(|reason| invalid("agentcore.runtime_arn", reason))
     }
 
     /// The region to call: [`region`](Self::region) if set, else the region part of
@@ -797,11 +890,20 @@ impl AgentCoreConfig {
         self.qualifier.as_deref().unwrap_or(Self::DEFAULT_QUALIFIER)
     }
 
-    /// Checks the ARN, the region and the qualifier.
-    fn validate(&self) -> Result<()> {
+    /// Checks every key (as [`SessionRuntimeConfig::validate`] does for the table).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the first bad key.
+    pub fn validate(&self) -> Result<()> {
         let arn = parse_runtime_arn(&self.runtime_arn)
             .map_err(|reason| invalid("agentcore.runtime_arn", reason))?;
         if let Some(region) = &self.region {
+            if !is_region(region) {
+                return Err(invalid(
+                    "agentcore.region",
+                    format!("expected an AWS region such as \"us-east-1\", found {region:?}"),
+                ));
+            }
             if region != arn.region {
                 return Err(invalid(
                     "agentcore.region",
@@ -827,7 +929,96 @@ impl AgentCoreConfig {
                 ));
             }
         }
+        if let Some(url) = &self.endpoint_url {
+            check_endpoint_url(url).map_err(|reason| invalid("agentcore.endpoint_url", reason))?;
+        }
+        if !self.state_dir.is_absolute() {
+            return Err(invalid(
+                "agentcore.state_dir",
+                format!("must be an absolute path, found {:?}", self.state_dir),
+            ));
+        }
+        for (key, value) in [
+            ("agentcore.idle_timeout", self.idle_timeout),
+            ("agentcore.max_lifetime", self.max_lifetime),
+        ] {
+            if value < Self::MIN_LIFECYCLE {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "{} is shorter than AgentCore allows (60s); set it to the agent runtime's lifecycle setting",
+                        values::format_duration(value)
+                    ),
+                ));
+            }
+            check_at_most(
+                key,
+                value,
+                Self::MAX_LIFECYCLE,
+                " (AgentCore's limit for microVM runtimes)",
+            )?;
+        }
+        if self.idle_timeout > self.max_lifetime {
+            return Err(invalid(
+                "agentcore.idle_timeout",
+                "must not be longer than max_lifetime (AgentCore refuses such a lifecycle)",
+            ));
+        }
+        if self.start_timeout.is_zero() {
+            return Err(invalid(
+                "agentcore.start_timeout",
+                "must be more than zero, e.g. \"120s\"",
+            ));
+        }
+        check_at_most(
+            "agentcore.start_timeout",
+            self.start_timeout,
+            Self::MAX_START_TIMEOUT,
+            "",
+        )?;
         Ok(())
+    }
+}
+
+/// The parts of an AgentCore runtime ARN, from [`AgentCoreConfig::parsed_arn`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AgentCoreArn<'a> {
+    /// The region, e.g. `us-east-1`.
+    pub region: &'a str,
+    /// The 12-digit account id.
+    pub account: &'a str,
+    /// The runtime id, e.g. `my_agent-AbCdEf1234`.
+    pub runtime_id: &'a str,
+}
+
+/// Checks an endpoint override: `https://host[:port]` or `http://` to loopback, no path.
+fn check_endpoint_url(url: &str) -> std::result::Result<(), String> {
+    let expected =
+        || format!("expected https://<host>[:port] (or http:// to a loopback address), found {url:?}");
+    let (scheme, rest) = url.split_once("://").ok_or_else(expected)?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
+        return Err(expected());
+    }
+    let host = match authority.strip_prefix('[') {
+        Some(bracketed) => bracketed
+            .split_once(']')
+            .map(|(host, _)| host)
+            .ok_or_else(expected)?,
+        None => authority.split(':').next().unwrap_or_default(),
+    };
+    match scheme {
+        "https" => Ok(()),
+        "http"
+            if host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()) =>
+        {
+            Ok(())
+        }
+        "http" => Err(format!(
+            "plain http is allowed only to a loopback address (an emulator), found {url:?}; use https"
+        )),
+        _ => Err(expected()),
     }
 }
 
@@ -835,6 +1026,25 @@ impl AgentCoreConfig {
 struct RuntimeArn<'a> {
     /// The region part.
     region: &'a str,
+    /// The account part.
+    account: &'a str,
+    /// The runtime id.
+    runtime_id: &'a str,
+}
+
+/// Whether `region` looks like an AWS region: `<2 letters>-<words>-<number>`, e.g. `us-east-1`,
+/// `us-gov-west-1`, `cn-north-1`.
+fn is_region(region: &str) -> bool {
+    let parts: Vec<&str> = region.split('-').collect();
+    parts.len() >= 3
+        && parts[0].len() == 2
+        && parts[0].bytes().all(|b| b.is_ascii_lowercase())
+        && parts[1..parts.len() - 1]
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_lowercase()))
+        && parts
+            .last()
+            .is_some_and(|n| !n.is_empty() && n.len() <= 2 && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Loosely checks `arn:<partition>:bedrock-agentcore:<region>:<account>:runtime/<id>`.
@@ -858,7 +1068,7 @@ fn parse_runtime_arn(arn: &str) -> std::result::Result<RuntimeArn<'_>, String> {
         && partition.starts_with("aws")
         && lower_dashed(partition)
         && service == "bedrock-agentcore"
-        && lower_dashed(region)
+        && is_region(region)
         && account.len() == 12
         && account.bytes().all(|b| b.is_ascii_digit())
         && !id.is_empty()
@@ -866,7 +1076,11 @@ fn parse_runtime_arn(arn: &str) -> std::result::Result<RuntimeArn<'_>, String> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
     if ok {
-        Ok(RuntimeArn { region })
+        Ok(RuntimeArn {
+            region,
+            account,
+            runtime_id: id,
+        })
     } else {
         Err(expected())
     }
@@ -1080,6 +1294,53 @@ mod tests {
     }
 
     #[test]
+    fn agentcore_keys_are_checked_and_named() {
+        let arn = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example";
+        let parse = |extra: &str| {
+            let text = format!("type = \"agentcore\"\n[agentcore]\nruntime_arn = \"{arn}\"\n{extra}");
+            SessionRuntimeConfig::from_toml_section(&text)
+        };
+        let config = parse("").expect("defaults are valid");
+        let agentcore = config.agentcore.expect("the table");
+        assert_eq!(agentcore, AgentCoreConfig::new(arn));
+        assert_eq!(agentcore.idle_timeout, Duration::from_secs(900));
+        assert_eq!(agentcore.max_lifetime, Duration::from_secs(8 * 3600));
+        let parsed = agentcore.parsed_arn().expect("an ARN");
+        assert_eq!(
+            (parsed.region, parsed.account, parsed.runtime_id),
+            ("us-east-1", "123456789012", "example")
+        );
+        assert!(parse("endpoint_url = \"http://127.0.0.1:4566\"\nidle_timeout = \"60s\"").is_ok());
+        assert!(
+            parse("endpoint_url = \"https://vpce-1.bedrock-agentcore.us-east-1.vpce.amazonaws.com\"").is_ok()
+        );
+        for (extra, key) in [
+            ("region = \"useast1\"", "agentcore.region"),
+            ("region = \"us-west-2\"", "agentcore.region"),
+            ("endpoint_url = \"http://10.0.0.1\"", "agentcore.endpoint_url"),
+            ("endpoint_url = \"https://host/path\"", "agentcore.endpoint_url"),
+            ("endpoint_url = \"ftp://host\"", "agentcore.endpoint_url"),
+            ("state_dir = \"relative\"", "agentcore.state_dir"),
+            ("idle_timeout = \"59s\"", "agentcore.idle_timeout"),
+            ("idle_timeout = \"9h\"", "agentcore.idle_timeout"),
+            ("max_lifetime = \"30s\"", "agentcore.max_lifetime"),
+            (
+                "idle_timeout = \"2h\"\nmax_lifetime = \"1h\"",
+                "agentcore.idle_timeout",
+            ),
+            ("start_timeout = \"0s\"", "agentcore.start_timeout"),
+            ("start_timeout = \"2h\"", "agentcore.start_timeout"),
+        ] {
+            match parse(extra) {
+                Err(Error::InvalidConfig { key: got, .. }) => {
+                    assert_eq!(got, format!("session_runtime.{key}"), "{extra}");
+                }
+                other => panic!("{extra}: expected an error naming {key}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn runtime_arns() {
         for good in [
             "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example",
@@ -1096,6 +1357,8 @@ mod tests {
             "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/",
             "arn:aws:bedrock-agentcore::123456789012:runtime/example",
             "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/ex/ample",
+            "arn:aws:bedrock-agentcore:useast1:123456789012:runtime/example",
+            "arn:aws:bedrock-agentcore:us-east:123456789012:runtime/example",
         ] {
             assert!(parse_runtime_arn(bad).is_err(), "{bad}");
         }

@@ -327,8 +327,8 @@ fn unknown_keys_name_the_full_path() {
         "session_runtime.kubernetes.image",
     );
     section_error(
-        "[agentcore]\nruntime_arn = \"x\"\nendpoint_url = \"y\"",
-        "session_runtime.agentcore.endpoint_url",
+        "[agentcore]\nruntime_arn = \"x\"\naccess_key_id = \"y\"",
+        "session_runtime.agentcore.access_key_id",
     );
     section_error("[docker]\nimage = \"x\"", "session_runtime.docker");
 

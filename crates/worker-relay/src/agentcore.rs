@@ -28,6 +28,47 @@ use data_encoding::BASE32_NOPAD;
 
 use crate::token::{Token, TokenHash, TOKEN_LEN};
 
+/// The first word of a wipe request's body.
+const WIPE: &str = "oab-relay-wipe";
+
+/// The body of an `InvokeAgentRuntime` call that asks the relay to delete the contents of the
+/// session storage (AgentCore has no call that deletes session storage): the word
+/// `oab-relay-wipe` and the incarnation's token in hex. The relay checks the token against the
+/// runtime session id's hash, retires the agent, empties its working directory and answers
+/// `{"wiped":true,"removed":<entries>}`.
+pub fn wipe_request(token: &Token) -> Vec<u8> {
+    format!("{WIPE} {}\n", data_encoding::HEXLOWER.encode(token.as_bytes())).into_bytes()
+}
+
+/// The token of a wipe request, if `body` is one.
+pub fn parse_wipe_request(body: &[u8]) -> Option<Token> {
+    let text = std::str::from_utf8(body).ok()?.trim();
+    let hex = text.strip_prefix(WIPE)?.strip_prefix(' ')?;
+    let bytes = data_encoding::HEXLOWER_PERMISSIVE.decode(hex.as_bytes()).ok()?;
+    Token::from_slice(&bytes)
+}
+
+/// The answer to a successful wipe.
+pub fn wipe_answer(removed: usize) -> String {
+    format!(r#"{{"wiped":true,"removed":{removed}}}"#)
+}
+
+/// Checks a wipe's answer.
+///
+/// # Errors
+/// What the relay said instead, if it did not confirm the wipe.
+pub fn check_wipe_answer(answer: &[u8]) -> Result<(), String> {
+    let text = String::from_utf8_lossy(answer);
+    if text.trim_start().starts_with(r#"{"wiped":true"#) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the relay did not confirm deleting the session storage: {}",
+            text.trim()
+        ))
+    }
+}
+
 /// The header in which AgentCore passes the runtime session id, on the way in and to the container.
 pub const SESSION_HEADER: &str = "X-Amzn-Bedrock-AgentCore-Runtime-Session-Id";
 
@@ -237,6 +278,16 @@ mod tests {
         for (text, why) in cases {
             assert_eq!(text.parse::<RuntimeSessionId>(), Err(why), "{text:?}");
         }
+    }
+
+    #[test]
+    fn wipe_requests_round_trip_and_answers_are_checked() {
+        let token = BrokerKey::new(b"test key".to_vec()).token(SESSION, 1);
+        assert_eq!(parse_wipe_request(&wipe_request(&token)), Some(token));
+        assert_eq!(parse_wipe_request(b"oab-relay-wipe nothex"), None);
+        assert_eq!(parse_wipe_request(b"{\"prompt\":\"hi\"}"), None);
+        assert!(check_wipe_answer(wipe_answer(3).as_bytes()).is_ok());
+        assert!(check_wipe_answer(br#"{"relay":"oab-relay"}"#).is_err());
     }
 
     #[test]

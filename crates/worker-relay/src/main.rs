@@ -217,10 +217,14 @@ async fn run_agentcore(serve: Serve) -> i32 {
     let line = format!("http {}", local_addr(&listener, addr));
     let handshake_timeout = serve.handshake_timeout;
     let term_grace = serve.term_grace;
+    let storage = match serve.workdir.clone().map_or_else(std::env::current_dir, Ok) {
+        Ok(dir) => dir,
+        Err(error) => return fail(&format!("cannot tell the working directory: {error}")),
+    };
     let template = RelayTemplate::new(move |session, generation, token_hash| {
         relay_config(&serve, session.to_owned(), generation, token_hash)
     });
-    let server = AgentCoreServer::new(template, handshake_timeout);
+    let server = AgentCoreServer::new(template, storage, handshake_timeout);
     let serving = server.clone();
     tokio::spawn(async move { serving.serve(listener).await });
     print_listening(std::slice::from_ref(&line));

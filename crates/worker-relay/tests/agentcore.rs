@@ -201,3 +201,54 @@ async fn only_the_bound_runtime_session_and_its_token_are_admitted() {
     attachment.input().write_line("alive").await.expect("write");
     assert_eq!(read_line(&mut attachment).await.expect("echo"), "alive");
 }
+
+fn invocation(header: &RuntimeSessionId, body: &[u8]) -> String {
+    let body = String::from_utf8_lossy(body);
+    format!(
+        "POST /invocations HTTP/1.1\r\nHost: relay\r\n{SESSION_HEADER}: {header}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wipe_with_the_token_empties_the_storage_and_ends_the_runtime_session() {
+    use worker_relay::agentcore::wipe_request;
+    let dir = tempfile::tempdir().expect("a workdir");
+    std::fs::create_dir(dir.path().join("repo")).expect("a directory");
+    std::fs::write(dir.path().join("repo/file"), b"work").expect("a file");
+    let outside = tempfile::tempdir().expect("a directory outside the storage");
+    std::fs::write(outside.path().join("keep"), b"not the session's").expect("a file");
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("link")).expect("a link");
+    let session = common::session("agentcore-wipe");
+    let (_relay, http) = start(session, dir.path()).await;
+    let header = runtime_session(session, 1, &key());
+    let (mut attachment, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("attach");
+    assert_eq!(read_line(&mut attachment).await.expect("a line"), "previous-gone");
+
+    let intruder = BrokerKey::new(b"another broker's key, 32 bytes!!".to_vec()).token(session.as_str(), 1);
+    let (status, response) = http_status(http, invocation(&header, &wipe_request(&intruder))).await;
+    assert_eq!(status, 403, "{response}");
+    assert!(
+        dir.path().join("repo/file").exists(),
+        "a refused wipe deletes nothing"
+    );
+
+    let token = key().token(session.as_str(), 1);
+    let (status, response) = http_status(http, invocation(&header, &wipe_request(&token))).await;
+    assert_eq!(status, 200, "{response}");
+    assert!(response.contains(r#""wiped":true"#), "{response}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).expect("the dir").collect();
+    assert!(left.is_empty(), "the storage must be empty: {left:?}");
+    assert!(
+        outside.path().join("keep").exists(),
+        "a link is removed, never followed"
+    );
+
+    // The agent was retired, and no generation starts again.
+    let mut rest = Vec::new();
+    let ended = within("the stream ends", attachment.output().read_to_end(&mut rest)).await;
+    assert!(ended.is_err(), "the wiped session's stream ends with an error");
+    assert!(attach(http, &header, session, 2, 1, &key()).await.is_err());
+}

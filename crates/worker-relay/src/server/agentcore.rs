@@ -12,10 +12,15 @@
 //! - gives a hello of the current generation to the current relay (resume, takeover), one of an
 //!   older generation to it too (which refuses it as stale), and for a newer generation retires
 //!   the current relay, killing its agent and waiting for it to be gone, before a relay for the
-//!   new generation starts the new agent: two generations never touch the storage at once.
+//!   new generation starts the new agent: two generations never touch the storage at once;
+//! - on a wipe request (an `/invocations` body from [`wipe_request`](crate::agentcore::wipe_request)
+//!   with the bound session's token) retires the agent, empties the session storage and starts
+//!   no agent again: AgentCore cannot delete session storage, so a closing broker does it here.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -29,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::{http, refuse, Relay, RelayConfig};
 use crate::agentcore::{RuntimeSessionId, SESSION_HEADER};
 use crate::protocol::{decode_frame, ErrorCode, Frame, Hello, Peer};
-use crate::token::TokenHash;
+use crate::token::{Token, TokenHash};
 
 /// `(session, generation, token hash) -> configuration` of one generation's relay.
 type MakeConfig = dyn Fn(&str, u64, TokenHash) -> RelayConfig + Send + Sync;
@@ -60,6 +65,10 @@ pub struct AgentCoreServer {
 #[derive(Debug)]
 pub(super) struct Front {
     template: RelayTemplate,
+    /// The session storage the agents work in: emptied by a wipe.
+    storage: PathBuf,
+    /// Set by a wipe: the runtime session is over, no agent starts again.
+    wiped: AtomicBool,
     handshake_timeout: Duration,
     bound: Mutex<Option<RuntimeSessionId>>,
     current: Mutex<Option<Relay>>,
@@ -77,12 +86,15 @@ pub(super) struct HttpRefusal {
 }
 
 impl AgentCoreServer {
-    /// A front whose relays come from `template`; a connection has `handshake_timeout` to send
+    /// A front whose relays come from `template` and whose agents work in `storage` (the session
+    /// storage mount, emptied by a wipe request); a connection has `handshake_timeout` to send
     /// its hello.
-    pub fn new(template: RelayTemplate, handshake_timeout: Duration) -> Self {
+    pub fn new(template: RelayTemplate, storage: impl Into<PathBuf>, handshake_timeout: Duration) -> Self {
         Self {
             front: Arc::new(Front {
                 template,
+                storage: storage.into(),
+                wiped: AtomicBool::new(false),
                 handshake_timeout,
                 bound: Mutex::new(None),
                 current: Mutex::new(None),
@@ -178,6 +190,47 @@ impl Front {
         }
     }
 
+    /// Deletes the contents of the session storage for the broker (the token must be the bound
+    /// runtime session's): the current agent is retired first, and no agent starts afterwards.
+    /// Returns how many entries were removed.
+    pub(super) async fn wipe(&self, header: Option<&str>, token: &Token) -> Result<usize, HttpRefusal> {
+        self.admit(header)?;
+        let Some(bound) = self.bound.lock().clone() else {
+            return Err(HttpRefusal {
+                status: 500,
+                reason: "Internal Server Error",
+                body: "not bound\n".into(),
+            });
+        };
+        if !bound.token_hash().verify(token) {
+            return Err(HttpRefusal {
+                status: 403,
+                reason: "Forbidden",
+                body: "the token does not match\n".into(),
+            });
+        }
+        let _switch = self.switching.lock().await;
+        self.wiped.store(true, Ordering::SeqCst);
+        if let Some(relay) = self.current() {
+            relay.retire().await;
+        }
+        let storage = self.storage.clone();
+        let removed = tokio::task::spawn_blocking(move || empty_dir(&storage))
+            .await
+            .map_err(|error| std::io::Error::other(error.to_string()))
+            .and_then(|result| result)
+            .map_err(|error| HttpRefusal {
+                status: 500,
+                reason: "Internal Server Error",
+                body: format!(
+                    "deleting the session storage {}: {error}\n",
+                    self.storage.display()
+                ),
+            })?;
+        tracing::info!(session = bound.session(), removed, "session storage deleted");
+        Ok(removed)
+    }
+
     /// Reads the connection's hello, picks (or starts) the relay for its generation and hands
     /// the connection, hello included, to it.
     pub(super) async fn serve_connection(&self, mut transport: DuplexStream) {
@@ -232,6 +285,12 @@ impl Front {
         if self.stopped.is_cancelled() {
             return Err((ErrorCode::Internal, "the worker is stopping".into()));
         }
+        if self.wiped.load(Ordering::SeqCst) {
+            return Err((
+                ErrorCode::Internal,
+                "the session storage was deleted: this runtime session is closed".into(),
+            ));
+        }
         let current = self.current();
         if let Some(relay) = current
             .as_ref()
@@ -252,6 +311,23 @@ impl Front {
         *self.current.lock() = Some(relay.clone());
         Ok(relay)
     }
+}
+
+/// Removes everything inside `dir` (not `dir` itself, a mount point); symbolic links are removed,
+/// never followed.
+fn empty_dir(dir: &Path) -> std::io::Result<usize> {
+    let mut removed = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        } else {
+            std::fs::remove_file(&path)?;
+        }
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 /// A connection whose first bytes were already read: they are read again, then the rest.

@@ -14,7 +14,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::agentcore::Front;
 use super::{AgentState, Relay};
-use crate::agentcore::SESSION_HEADER;
+use crate::agentcore::{parse_wipe_request, wipe_answer, SESSION_HEADER};
 use crate::protocol::VERSION;
 
 /// The longest request head accepted.
@@ -96,8 +96,14 @@ pub(super) async fn serve(target: Target, mut stream: TcpStream, patience: Durat
             },
         },
         ("POST", "/invocations") => {
-            if !drain_body(&mut stream, &request).await {
+            let Some(payload) = read_body(&mut stream, &request).await else {
                 return respond(&mut stream, 413, "Payload Too Large", "body too large\n").await;
+            };
+            if let (Target::AgentCore(front), Some(token)) = (&target, parse_wipe_request(&payload)) {
+                return match front.wipe(request.header(SESSION_HEADER), &token).await {
+                    Ok(removed) => respond_json(&mut stream, 200, "OK", &wipe_answer(removed)).await,
+                    Err(refusal) => respond(&mut stream, refusal.status, refusal.reason, &refusal.body).await,
+                };
             }
             let body = match target.relay() {
                 Some(relay) => relay_document(&relay),
@@ -173,24 +179,26 @@ async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
     }
 }
 
-/// Reads and discards the request body; `false` if it is too large or has no length.
-async fn drain_body(stream: &mut TcpStream, request: &Request) -> bool {
+/// Reads the request body; `None` if it is too large, has no valid length or ends early.
+async fn read_body(stream: &mut TcpStream, request: &Request) -> Option<Vec<u8>> {
     let length = match request.header("content-length") {
         None => 0,
         Some(value) => match value.trim().parse::<usize>() {
             Ok(length) if length <= MAX_BODY => length,
-            _ => return false,
+            _ => return None,
         },
     };
-    let mut remaining = length.saturating_sub(request.rest.len());
+    let mut body = request.rest.clone();
+    body.truncate(length);
     let mut chunk = [0u8; 8192];
-    while remaining > 0 {
-        match stream.read(&mut chunk[..remaining.min(8192)]).await {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => remaining -= n,
+    while body.len() < length {
+        let want = (length - body.len()).min(chunk.len());
+        match stream.read(&mut chunk[..want]).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
         }
     }
-    true
+    Some(body)
 }
 
 /// Completes a WebSocket upgrade and returns the socket as a byte stream; answers 400 and returns

@@ -1,0 +1,223 @@
+//! The AWS side: the SDK client for `StopRuntimeSession` and `InvokeAgentRuntime`, and the
+//! credentials the WebSocket upgrade is signed with.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use aws_credential_types::provider::{ProvideCredentials, SharedCredentialsProvider};
+use aws_credential_types::Credentials;
+use aws_sdk_bedrockagentcore::config::retry::RetryConfig;
+use aws_sdk_bedrockagentcore::config::{BehaviorVersion, Region, StalledStreamProtectionConfig};
+use aws_sdk_bedrockagentcore::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_bedrockagentcore::primitives::Blob;
+use aws_sdk_bedrockagentcore::Client;
+use session_runtime::config::AgentCoreConfig;
+use tokio::sync::Mutex;
+
+use crate::errors::{Failure, Kind};
+
+/// How many attempts an idempotent control call gets.
+const CONTROL_ATTEMPTS: u32 = 3;
+
+/// Refresh cached credentials this long before they expire.
+const CREDENTIALS_MARGIN: Duration = Duration::from_secs(300);
+
+/// Where the runtime's AWS calls go, and how they are authorized.
+#[derive(Debug, Clone)]
+pub(crate) struct Aws {
+    client: Client,
+    credentials: CachedCredentials,
+    pub(crate) region: String,
+    pub(crate) arn: String,
+    pub(crate) qualifier: String,
+    /// `https://bedrock-agentcore.<region>.amazonaws.com` or the configured override.
+    pub(crate) endpoint: String,
+}
+
+/// The outcome of `StopRuntimeSession`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stopped {
+    /// The session was running and is stopped.
+    Stopped,
+    /// No such session was running (stopped already, never started, or expired).
+    NotRunning,
+}
+
+impl Aws {
+    /// Loads the SDK configuration: `credentials` if given, else the standard provider chain
+    /// (environment, profile files, web identity, container and instance metadata).
+    pub(crate) async fn load(
+        config: &AgentCoreConfig,
+        credentials: Option<SharedCredentialsProvider>,
+    ) -> Self {
+        let region = config.effective_region().unwrap_or("us-east-1").to_owned();
+        let mut loader = aws_config::defaults(BehaviorVersion::latest()).region(Region::new(region.clone()));
+        if let Some(credentials) = credentials {
+            loader = loader.credentials_provider(credentials);
+        }
+        let shared = loader.load().await;
+        let endpoint = config
+            .endpoint_url
+            .clone()
+            .map(|url| url.trim_end_matches('/').to_owned())
+            .unwrap_or_else(|| format!("https://bedrock-agentcore.{region}.amazonaws.com"));
+        // Control calls are idempotent (StopRuntimeSession carries a client token; the wipe
+        // invocation is idempotent by design), so standard retries are safe. Nothing streams
+        // through the SDK: the session's stream is the relay's WebSocket.
+        let sdk = aws_sdk_bedrockagentcore::config::Builder::from(&shared)
+            .retry_config(RetryConfig::standard().with_max_attempts(CONTROL_ATTEMPTS))
+            .stalled_stream_protection(StalledStreamProtectionConfig::disabled())
+            .endpoint_url(endpoint.clone())
+            .build();
+        Self {
+            client: Client::from_conf(sdk),
+            credentials: CachedCredentials::new(shared.credentials_provider()),
+            region,
+            arn: config.runtime_arn.clone(),
+            qualifier: config.effective_qualifier().to_owned(),
+            endpoint,
+        }
+    }
+
+    /// Stops the runtime session `runtime_session_id`: its microVM ends at once, cutting every
+    /// stream to it. A session that is not running counts as stopped.
+    pub(crate) async fn stop(&self, runtime_session_id: &str) -> Result<Stopped, Failure> {
+        let sent = self
+            .client
+            .stop_runtime_session()
+            .agent_runtime_arn(&self.arn)
+            .qualifier(&self.qualifier)
+            .runtime_session_id(runtime_session_id)
+            .send()
+            .await;
+        match sent {
+            Ok(_) => Ok(Stopped::Stopped),
+            Err(error) => {
+                let failure = failure("StopRuntimeSession", &error);
+                if failure.kind() == Kind::NotFound {
+                    Ok(Stopped::NotRunning)
+                } else {
+                    Err(failure)
+                }
+            }
+        }
+    }
+
+    /// Sends `payload` to the container's `/invocations` in `runtime_session_id`'s microVM
+    /// (starting one if none runs) and returns the answer's body.
+    pub(crate) async fn invoke(
+        &self,
+        runtime_session_id: &str,
+        payload: Vec<u8>,
+    ) -> Result<Vec<u8>, Failure> {
+        let output = self
+            .client
+            .invoke_agent_runtime()
+            .agent_runtime_arn(&self.arn)
+            .qualifier(&self.qualifier)
+            .runtime_session_id(runtime_session_id)
+            .content_type("text/plain")
+            .accept("application/json")
+            .payload(Blob::new(payload))
+            .send()
+            .await
+            .map_err(|error| failure("InvokeAgentRuntime", &error))?;
+        let body = output.response.collect().await.map_err(|error| Failure {
+            operation: "InvokeAgentRuntime",
+            code: None,
+            status: None,
+            message: format!("reading the answer: {error}"),
+        })?;
+        Ok(body.into_bytes().to_vec())
+    }
+
+    /// Credentials for signing the WebSocket upgrade.
+    pub(crate) async fn credentials(&self) -> Result<Credentials, Failure> {
+        self.credentials.get().await
+    }
+}
+
+fn failure<E, R>(operation: &'static str, error: &SdkError<E, R>) -> Failure
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug + HasStatus,
+{
+    let (code, message) = match error {
+        SdkError::ServiceError(service) => (
+            service.err().code().map(str::to_owned),
+            service
+                .err()
+                .message()
+                .map_or_else(|| DisplayErrorContext(error).to_string(), str::to_owned),
+        ),
+        _ => (None, DisplayErrorContext(error).to_string()),
+    };
+    let status = error.raw_response().map(HasStatus::status);
+    // A request that never got an answer (no credentials, no connection) has no status; one that
+    // could not even be built is a configuration problem, not a service failure.
+    let code = code
+        .or_else(|| matches!(error, SdkError::ConstructionFailure(_)).then(|| "ValidationException".into()));
+    Failure {
+        operation,
+        code,
+        status,
+        message,
+    }
+}
+
+/// The HTTP status of a raw response.
+pub(crate) trait HasStatus {
+    fn status(&self) -> u16;
+}
+
+impl HasStatus for aws_smithy_runtime_api::http::Response {
+    fn status(&self) -> u16 {
+        self.status().as_u16()
+    }
+}
+
+/// The provider chain's credentials, kept until shortly before they expire (the SDK caches its
+/// own; the WebSocket signer must not walk the chain, perhaps over the network, per connection).
+#[derive(Debug, Clone)]
+struct CachedCredentials {
+    provider: Option<SharedCredentialsProvider>,
+    cached: Arc<Mutex<Option<Credentials>>>,
+}
+
+impl CachedCredentials {
+    fn new(provider: Option<SharedCredentialsProvider>) -> Self {
+        Self {
+            provider,
+            cached: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    async fn get(&self) -> Result<Credentials, Failure> {
+        let mut cached = self.cached.lock().await;
+        if let Some(credentials) = cached.as_ref() {
+            let fresh = credentials
+                .expiry()
+                .is_none_or(|expiry| SystemTime::now() + CREDENTIALS_MARGIN < expiry);
+            if fresh {
+                return Ok(credentials.clone());
+            }
+        }
+        let Some(provider) = &self.provider else {
+            return Err(Failure {
+                operation: "loading AWS credentials",
+                code: Some("UnrecognizedClientException".into()),
+                status: None,
+                message: "no credentials provider is configured".into(),
+            });
+        };
+        let credentials = provider.provide_credentials().await.map_err(|error| Failure {
+            operation: "loading AWS credentials",
+            // The chain found nothing or could not refresh: a later attempt may succeed.
+            code: Some("ExpiredTokenException".into()),
+            status: None,
+            message: DisplayErrorContext(&error).to_string(),
+        })?;
+        *cached = Some(credentials.clone());
+        Ok(credentials)
+    }
+}
