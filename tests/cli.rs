@@ -850,3 +850,56 @@ fn the_acp_test_agent_works_in_the_session_directory_it_was_not_told() {
         .expect("the agent's record of the session");
     assert_eq!(recorded, cwd);
 }
+
+#[test]
+fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let chmod = |path: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own.
+    let install = tempfile::Builder::new()
+        .prefix("cli-agent-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("an installation directory");
+    chmod(install.path(), 0o755);
+    for (dir, file, text, mode) in [
+        (
+            "bin",
+            "agent.sh",
+            "#!/bin/sh\nexec 2>&1\n. \"$LIB/words.sh\"\necho \"$WORD\"\n",
+            0o755,
+        ),
+        ("lib", "words.sh", "WORD=listed\n", 0o644),
+    ] {
+        let dir = install.path().join(dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        chmod(&dir, 0o755);
+        std::fs::write(dir.join(file), text).expect("write");
+        chmod(&dir.join(file), mode);
+    }
+    let lib = install.path().join("lib");
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        chmod(dir.path(), 0o711);
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[agent]\ncommand = {:?}\nenv = {{ LIB = {:?} }}\nneeds = [{:?}]\n\
+                 [session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                install.path().join("bin/agent.sh"),
+                lib,
+                lib,
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = run_with_one_line(&config, "needs", &[]);
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            "listed\n",
+            "{sandbox}: {output:?}"
+        );
+        assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
+    }
+}

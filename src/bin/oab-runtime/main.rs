@@ -69,7 +69,7 @@ enum Command {
         #[arg(long)]
         keep_cwd: bool,
         /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
-        /// `inherit_env` still apply).
+        /// `inherit_env` and `needs` still apply).
         #[arg(last = true, value_name = "AGENT ARGV")]
         argv: Vec<String>,
     },

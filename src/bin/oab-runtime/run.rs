@@ -69,7 +69,8 @@ enum Ending {
 }
 
 /// The agent `run` starts: `-- ARGV` replaces the configured command and arguments but keeps
-/// `[agent]`'s environment rules, and each `--env` adds one (`KEY=VALUE` sets, `KEY` inherits).
+/// `[agent]`'s environment rules and `needs`, and each `--env` adds one (`KEY=VALUE` sets, `KEY`
+/// inherits).
 fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Result<AgentCommand, Error> {
     let mut agent = match (argv.split_first(), &settings.agent) {
         (Some((program, args)), configured) => {
@@ -77,6 +78,7 @@ fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Resu
             if let Some(configured) = configured {
                 agent.env = configured.env.clone();
                 agent.inherit_env = configured.inherit_env.clone();
+                agent.needs = configured.needs.clone();
             }
             agent
         }
