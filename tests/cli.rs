@@ -701,3 +701,205 @@ fn run_keeps_the_configured_environment_with_an_argv_and_adds_env_flags() {
         "{refused:?}"
     );
 }
+
+/// The working directory in `run`'s `attached: ... cwd <dir>; ...` line, read from `stderr`.
+fn attached_cwd(stderr: &mut impl std::io::BufRead) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = stderr.read_line(&mut line).expect("stderr");
+        assert!(read > 0, "run ended before it attached");
+        if let Some(rest) = line.split_once(", cwd ").map(|(_, rest)| rest) {
+            return rest.split_once(';').expect("`; ` after the cwd").0.to_owned();
+        }
+    }
+}
+
+/// `oab-runtime run` in plain mode with `flags` before `-- agent`, fed `input` and then EOF;
+/// returns the session's working directory as `run` announced it, and how `run` ended.
+fn run_fed(flags: &[&str], agent: &[&str], input: &[u8]) -> (String, std::process::Output) {
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let mut run = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "discord", "--thread", "cwd"])
+        .args(flags)
+        .arg("--")
+        .args(agent)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let cwd = attached_cwd(&mut stderr);
+    run.stdin.take().expect("stdin").write_all(input).expect("write");
+    let output = wait_for_end(run, "cat ends at stdin EOF");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).expect("stderr");
+    (
+        cwd,
+        std::process::Output {
+            stderr: rest.into_bytes(),
+            ..output
+        },
+    )
+}
+
+#[test]
+fn run_gives_session_new_and_load_the_session_working_directory() {
+    let new = "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session/new\",\"params\":{\"cwd\":\"/home/someone/checkout\",\"mcpServers\":[]}}\n";
+    let other = "{ \"id\" : 2, \"method\":\"session/prompt\",\"params\":{\"cwd\":\"/home/someone\"}}\n";
+    let load = "{\"jsonrpc\":\"2.0\",\"id\":3,\"method\":\"session/load\",\"params\":{\"sessionId\":\"s\",\"cwd\":\"checkout\",\"mcpServers\":[]}}\n";
+    let not_utf8: &[u8] = b"{\"method\":\"session/new\",\"params\":{\"cwd\":\"\xff\"}}\n";
+    let input = [
+        new.as_bytes(),
+        other.as_bytes(),
+        b"not json\n",
+        load.as_bytes(),
+        not_utf8,
+    ]
+    .concat();
+
+    let (cwd, output) = run_fed(&[], &["/bin/cat"], &input);
+    assert!(cwd.ends_with("/workspace"), "{cwd}");
+    let lines: Vec<&[u8]> = output.stdout.split_inclusive(|b| *b == b'\n').collect();
+    assert_eq!(lines.len(), 5, "{output:?}");
+    for (index, expected_id) in [(0, 1), (3, 3)] {
+        let sent: serde_json::Value = serde_json::from_slice(lines[index]).expect("JSON");
+        assert_eq!(sent["params"]["cwd"], cwd.as_str(), "{output:?}");
+        assert_eq!(sent["id"], expected_id);
+        assert_eq!(sent["params"]["mcpServers"], serde_json::json!([]));
+    }
+    assert_eq!(lines[1], other.as_bytes(), "another method passes byte for byte");
+    assert_eq!(lines[2], b"not json\n");
+    assert_eq!(lines[4], not_utf8, "not JSON (not UTF-8): byte for byte");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr
+            .matches("replaced with the session's working directory")
+            .count(),
+        1,
+        "said once: {stderr}"
+    );
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+
+    let (_, kept) = run_fed(&["--keep-cwd"], &["/bin/cat"], &input);
+    assert_eq!(kept.stdout, input, "--keep-cwd: {kept:?}");
+    assert!(
+        !String::from_utf8_lossy(&kept.stderr).contains("replaced"),
+        "{kept:?}"
+    );
+}
+
+#[test]
+fn the_acp_test_agent_works_in_the_session_directory_it_was_not_told() {
+    use std::io::{BufRead, Write};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, root) = plain_config(dir.path());
+    let mut run = oab_runtime()
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--platform", "discord", "--thread", "agent-cwd"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let cwd = attached_cwd(&mut stderr);
+    let mut stdin = run.stdin.take().expect("stdin");
+    let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+    let mut answer = |id: u64| loop {
+        let mut line = String::new();
+        assert!(stdout.read_line(&mut line).expect("stdout") > 0, "no answer {id}");
+        let message: serde_json::Value = serde_json::from_str(&line).expect("JSON");
+        if message["id"] == id {
+            return message;
+        }
+    };
+    // A host path the agent cannot use, then a relative one it refuses: neither reaches it.
+    writeln!(
+        stdin,
+        "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session/new\",\"params\":{{\"cwd\":\"/nonexistent/checkout\",\"mcpServers\":[]}}}}"
+    )
+    .expect("write");
+    let created = answer(1);
+    let acp_session = created["result"]["sessionId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{created}"))
+        .to_owned();
+    writeln!(
+        stdin,
+        "{{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":\"session/load\",\"params\":{{\"sessionId\":\"{acp_session}\",\"cwd\":\"checkout\",\"mcpServers\":[]}}}}"
+    )
+    .expect("write");
+    let loaded = answer(2);
+    assert!(loaded.get("error").is_none(), "{loaded}");
+    drop(stdin);
+    let output = wait_for_end(run, "the test agent ends at stdin EOF");
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    // The test agent records each new session's cwd under its HOME.
+    let session_dir = std::path::Path::new(&cwd)
+        .parent()
+        .expect("the session's directory");
+    assert_eq!(session_dir.parent(), Some(root.as_path()));
+    let recorded = std::fs::read_to_string(session_dir.join("home/.acp-test-agent").join(&acp_session))
+        .expect("the agent's record of the session");
+    assert_eq!(recorded, cwd);
+}
+
+#[test]
+fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let chmod = |path: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own.
+    let install = tempfile::Builder::new()
+        .prefix("cli-agent-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("an installation directory");
+    chmod(install.path(), 0o755);
+    for (dir, file, text, mode) in [
+        (
+            "bin",
+            "agent.sh",
+            "#!/bin/sh\nexec 2>&1\n. \"$LIB/words.sh\"\necho \"$WORD\"\n",
+            0o755,
+        ),
+        ("lib", "words.sh", "WORD=listed\n", 0o644),
+    ] {
+        let dir = install.path().join(dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        chmod(&dir, 0o755);
+        std::fs::write(dir.join(file), text).expect("write");
+        chmod(&dir.join(file), mode);
+    }
+    let lib = install.path().join("lib");
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        chmod(dir.path(), 0o711);
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[agent]\ncommand = {:?}\nenv = {{ LIB = {:?} }}\nneeds = [{:?}]\n\
+                 [session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                install.path().join("bin/agent.sh"),
+                lib,
+                lib,
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = run_with_one_line(&config, "needs", &[]);
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            "listed\n",
+            "{sandbox}: {output:?}"
+        );
+        assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
+    }
+}

@@ -10,6 +10,12 @@
 //! | `landlock` | the agent restricted by Landlock to its own storage and read-only system paths | OS-enforced ([`IsolationLevel::AccessControl`](session_runtime::IsolationLevel)); hides other sessions' existence only with a distinct uid per session |
 //! | `auto` | bubblewrap if it works here, else Landlock, else refuses to create isolated sessions and says how to install bubblewrap | |
 //!
+//! What the agent's program needs of the host ([`AgentCommand::needs`](session_runtime::AgentCommand),
+//! the directory of its file, the interpreter of its `#!` line) is shown to it read-only at the
+//! same paths in the sandboxed modes; a path that would show the session root, or that the
+//! session's own user could not reach, fails `create` and `attach` with an
+//! [`Error::InvalidConfig`](session_runtime::Error) naming `agent.needs` or `agent.command`.
+//!
 //! In every mode a worker inherits no descriptor of the broker's but its standard streams: the
 //! runtime marks the broker's other descriptors close-on-exec before each start (those the broker
 //! inherited from systemd or a supervisor included), so no agent holds a socket or file of the

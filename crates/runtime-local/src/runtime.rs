@@ -20,7 +20,7 @@ use session_runtime::{
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
-use crate::sandbox::{LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
+use crate::sandbox::{needs, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
@@ -276,6 +276,11 @@ impl LocalRuntime {
                 cause: WorkerFailure::Spawn(format!("{}: {error}", agent.program)),
             });
         }
+        // What the agent needs is looked at again for every worker: it may have been
+        // reinstalled, or made unreachable, since the session was created.
+        let needs = self.agent_needs()?;
+        self.sandbox
+            .check_needs(&needs, &self.settings.root, record.uid)?;
         self.own(held, id, &dirs, Some(&record))?;
         self.stop_worker(
             held,
@@ -328,6 +333,7 @@ impl LocalRuntime {
             dirs: &dirs,
             uid: record.uid,
             join_cgroups: procs.as_deref(),
+            needs: &needs,
         };
         let started = match self.sandbox.command(&spec) {
             Ok(mut command) => {
@@ -462,6 +468,16 @@ impl LocalRuntime {
         }
         env.push((WORKER_MARKER.into(), marker_value(&self.scope(), id, generation)));
         env
+    }
+
+    /// What the agent needs of the host (see [`needs::resolve`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `agent.needs` for an entry that no longer resolves.
+    fn agent_needs(&self) -> Result<Vec<needs::Needed>> {
+        let agent = &self.settings.agent;
+        needs::resolve(&agent.program, &agent.needs, &self.agent_path_var())
     }
 
     /// The `PATH` the agent gets (see [`environment`](Self::environment)).
@@ -881,6 +897,9 @@ impl SessionRuntime for LocalRuntime {
                 (generation, incarnation + 1)
             }
         };
+        // A session whose agent could not run fails here, before any of its storage exists.
+        self.sandbox
+            .check_needs(&self.agent_needs()?, &self.settings.root, None)?;
         let record = self
             .provision(identity, options, &mut held, generation, incarnation)
             .await?;

@@ -136,7 +136,8 @@ impl LocalRuntimeBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming the key for a bad installation, a grace, idle TTL or
-    /// retention time above its documented maximum, an empty agent command, a
+    /// retention time above its documented maximum, an empty agent command, an `agent.needs`
+    /// entry that is relative, missing, or contains or lies inside the root, a
     /// sandbox that cannot work here (with how to fix it), or a root that is relative, `/`, a
     /// system directory, writable by every user or owned by another user (saying which);
     /// [`Error::Backend`] if the root cannot be inspected.
@@ -205,6 +206,9 @@ impl LocalRuntimeBuilder {
                 )
             })?,
         };
+        // Checked in every mode, so that a configuration means the same whatever the sandbox:
+        // each entry exists and shows no session's storage.
+        crate::sandbox::needs::check_apart_from(&crate::sandbox::needs::listed(&self.agent.needs)?, &root)?;
         if let Some(template) = &self.local.home_template {
             if !template.is_dir() {
                 return Err(invalid(

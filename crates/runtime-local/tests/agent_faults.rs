@@ -22,21 +22,9 @@ use session_runtime::{
     AgentCommand, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState, WorkerFailure,
 };
 
-/// Names the Landlock helper that Cargo built for these tests, unless the runtime finds it
-/// beside the test binary's directory by itself.
-fn use_built_landlock_helper() {
-    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_oab-landlock-exec"));
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("oab-landlock-exec")));
-    if beside.as_deref() != Some(helper) {
-        std::env::set_var("OAB_LANDLOCK_EXEC", helper);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_agent_fails_attach_with_enoent_in_every_mode() {
-    use_built_landlock_helper();
+    common::use_built_landlock_helper();
     for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
         for program in ["no-such-agent-anywhere", "/no/such/dir/agent"] {
             let root = tempfile::tempdir().expect("root");
@@ -75,7 +63,7 @@ async fn a_missing_agent_fails_attach_with_enoent_in_every_mode() {
 /// makes one) is still found and started: bubblewrap binds the program itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_under_the_hosts_tmp_starts_in_every_mode() {
-    use_built_landlock_helper();
+    common::use_built_landlock_helper();
     let built = session_runtime::testing::acp_test_agent_binary().expect("acp-test-agent");
     let elsewhere = tempfile::Builder::new()
         .prefix("agent-in-tmp-")
@@ -160,7 +148,7 @@ async fn created(runtime: &runtime_local::LocalRuntime, thread: &str) -> session
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_is_in_its_cgroups_from_its_first_instruction() {
     use tokio::io::AsyncReadExt;
-    use_built_landlock_helper();
+    common::use_built_landlock_helper();
     if !cgroups_usable() {
         return;
     }

@@ -107,6 +107,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         dirs: &dirs,
         uid: Some(200_123),
         join_cgroups: None,
+        needs: &[],
     };
     let identity = IdentityFiles::at(&dirs.base);
     let argv = bwrap_args(
@@ -208,6 +209,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         dirs: &dirs,
         uid: None,
         join_cgroups: None,
+        needs: &[],
     };
     let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
     let base = format!("/srv/s/{id}");
@@ -272,6 +274,7 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         dirs: &dirs,
         uid: Some(200_001),
         join_cgroups: None,
+        needs: &[],
     };
     let error = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect_err("not root");
     assert!(
@@ -310,6 +313,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             dirs: &dirs,
             uid: None,
             join_cgroups: None,
+            needs: &[],
         };
         let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
         let bind = vec![
@@ -334,6 +338,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             dirs: &dirs,
             uid: None,
             join_cgroups: None,
+            needs: &[],
         };
         let argv =
             bwrap_args(&debian_layout(false), NetworkMode::Host, &[skills()], &spec, None).expect("argv");
@@ -358,6 +363,7 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         dirs: &dirs,
         uid: Some(200_500),
         join_cgroups: None,
+        needs: &[],
     };
     let rules = landlock_rules_for(&debian_layout(true), &[skills()], &spec);
     for path in ["/usr", "/bin", "/etc", "/proc", "/opt/openab/skills"] {
@@ -739,6 +745,7 @@ async fn run(sandbox: &Sandbox, session: &Session, script: &str) -> Output {
         dirs: &session.dirs,
         uid: session.uid,
         join_cgroups: None,
+        needs: &[],
     };
     let paths = sandbox.worker_paths(&session.dirs);
     let mut command = sandbox.command(&spec).expect("command");
@@ -948,6 +955,7 @@ async fn bubblewrap_runs_an_agent_from_the_hosts_tmp() {
         dirs: &a.dirs,
         uid: a.uid,
         join_cgroups: None,
+        needs: &[],
     };
     let mut command = sandbox.command(&spec).expect("command");
     command
@@ -1343,6 +1351,7 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         dirs: &a.dirs,
         uid: a.uid,
         join_cgroups: None,
+        needs: &[],
     };
     let mut command = sandbox.command(&spec).expect("command");
     command

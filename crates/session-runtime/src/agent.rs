@@ -1,9 +1,10 @@
 //! [`AgentCommand`]: what program a session's worker runs, as OpenAB's `[agent]` section says.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 /// The agent program a worker runs: upstream OpenAB's `[agent]` `command`, `args`, `env` and
-/// `inherit_env`.
+/// `inherit_env`, and `needs`: what of the host the program needs to run.
 ///
 /// Backends that build the worker from a cluster-owned profile (Kubernetes, AgentCore) may take the
 /// program from the profile instead and use this only for arguments and environment.
@@ -18,6 +19,12 @@ pub struct AgentCommand {
     pub env: BTreeMap<String, String>,
     /// Names of broker environment variables passed through when set.
     pub inherit_env: Vec<String>,
+    /// Absolute host paths (files or directories) the program needs besides itself: its
+    /// installation directory, an interpreter, a virtual environment. A sandboxing backend shows
+    /// each read-only (and executable) at the same path, with links resolved; the directory of the
+    /// program's file and the interpreter of its `#!` line need not be listed. A backend that runs
+    /// the program elsewhere (a Pod, a microVM) ignores them.
+    pub needs: Vec<PathBuf>,
 }
 
 impl AgentCommand {
@@ -48,6 +55,12 @@ impl AgentCommand {
     /// Passes one broker environment variable through when it is set.
     pub fn inherit_env(mut self, key: impl Into<String>) -> Self {
         self.inherit_env.push(key.into());
+        self
+    }
+
+    /// Adds one path the program needs (see [`needs`](Self::needs)).
+    pub fn needs(mut self, path: impl Into<PathBuf>) -> Self {
+        self.needs.push(path.into());
         self
     }
 }

@@ -235,7 +235,8 @@ impl AttachmentParts {
 /// - [`input`](Self::input) is a shareable line writer for exactly the agent's stdin. Reading and
 ///   writing are independent: an undrained output never blocks a write.
 /// - [`control`](Self::control) stops the worker or tells how it ended.
-/// - [`working_dir`](Self::working_dir) is the directory to send as `cwd` in `session/new`.
+/// - [`working_dir`](Self::working_dir) is the directory to send as `cwd` in `session/new` and
+///   `session/load`.
 ///
 /// Dropping an attachment detaches from the worker; it does not stop it. After a newer attach,
 /// reads and writes fail with [`Error::Fenced`] (inside an `std::io::Error` for reads; see
@@ -294,7 +295,8 @@ impl Attachment {
         self.generation
     }
 
-    /// The agent's working directory inside the worker (send it as `cwd` in `session/new`).
+    /// The agent's working directory inside the worker: send it as `cwd` in `session/new` and
+    /// `session/load`. A path of the broker's own means nothing inside an isolated worker.
     pub fn working_dir(&self) -> &str {
         &self.working_dir
     }

@@ -21,8 +21,9 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             thread,
             agent,
             env,
+            keep_cwd,
             argv,
-        } => crate::run::run(settings, &platform, &thread, &agent, argv, &env).await,
+        } => crate::run::run(settings, &platform, &thread, &agent, argv, &env, keep_cwd).await,
         Command::Ls => ls(&runtime(&settings, None)?).await,
         Command::Status { id } => {
             let status = runtime(&settings, None)?.status(&session_id(&id)?).await?;

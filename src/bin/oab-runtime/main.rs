@@ -6,6 +6,7 @@
 
 mod commands;
 mod controller;
+mod cwd;
 mod run;
 mod settings;
 mod verify;
@@ -62,8 +63,13 @@ enum Command {
         /// `[agent].env`, `[agent].inherit_env` and these (and its own `HOME`, `TMPDIR`, `PATH`, `USER`).
         #[arg(long = "env", value_name = "KEY[=VALUE]")]
         env: Vec<String>,
+        /// Send the `cwd` of `session/new` and `session/load` requests unchanged. Without it, `run`
+        /// replaces it with the session's working directory as the agent sees it (a host path of
+        /// this shell's means nothing inside a session), and says so once on stderr.
+        #[arg(long)]
+        keep_cwd: bool,
         /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
-        /// `inherit_env` still apply).
+        /// `inherit_env` and `needs` still apply).
         #[arg(last = true, value_name = "AGENT ARGV")]
         argv: Vec<String>,
     },

@@ -15,8 +15,10 @@
 //!
 //! Every line of stdin reaches the agent byte for byte, not UTF-8 included (JSON-RPC over ACP is
 //! UTF-8, but `run` does not judge: the agent reports what it cannot parse); only blank lines,
-//! which carry no message, are left out. If the agent stops taking input, `run` says how many
-//! lines it did not get.
+//! which carry no message, are left out. The one exception: the `cwd` of `session/new` and
+//! `session/load` requests is replaced with the session's working directory, as the agent sees
+//! it (see [`crate::cwd`]; said once on stderr), unless `--keep-cwd` is given. If the agent stops
+//! taking input, `run` says how many lines it did not get.
 
 use std::io::BufRead;
 use std::process::ExitCode;
@@ -31,6 +33,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::mpsc;
 
 use crate::commands::{runtime, Outcome};
+use crate::cwd::CwdRewrite;
 use crate::settings::Settings;
 
 /// How long `run` keeps relaying the agent's output after its own stdin ended, once the agent
@@ -66,7 +69,8 @@ enum Ending {
 }
 
 /// The agent `run` starts: `-- ARGV` replaces the configured command and arguments but keeps
-/// `[agent]`'s environment rules, and each `--env` adds one (`KEY=VALUE` sets, `KEY` inherits).
+/// `[agent]`'s environment rules and `needs`, and each `--env` adds one (`KEY=VALUE` sets, `KEY`
+/// inherits).
 fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Result<AgentCommand, Error> {
     let mut agent = match (argv.split_first(), &settings.agent) {
         (Some((program, args)), configured) => {
@@ -74,6 +78,7 @@ fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Resu
             if let Some(configured) = configured {
                 agent.env = configured.env.clone();
                 agent.inherit_env = configured.inherit_env.clone();
+                agent.needs = configured.needs.clone();
             }
             agent
         }
@@ -109,6 +114,7 @@ pub(crate) async fn run(
     agent_name: &str,
     argv: Vec<String>,
     env: &[String],
+    keep_cwd: bool,
 ) -> Outcome {
     let agent = agent_command(&settings, argv, env)?;
     // Before anything starts: a signal from here on suspends what was started.
@@ -151,8 +157,9 @@ pub(crate) async fn run(
         attachment.generation(),
         attachment.working_dir()
     );
+    let rewrite = (!keep_cwd).then(|| CwdRewrite::new(attachment.working_dir()));
     let (mut output, input, control) = attachment.into_split();
-    let mut to_agent = tokio::spawn(forward_stdin(stdin_lines(), input));
+    let mut to_agent = tokio::spawn(forward_stdin(stdin_lines(), input, rewrite));
     let mut stdout = tokio::io::stdout();
     let mut stdin_ended = false;
     let mut buffer = vec![0u8; 64 * 1024];
@@ -260,10 +267,14 @@ fn stdin_lines() -> mpsc::Receiver<std::io::Result<Vec<u8>>> {
     receiver
 }
 
-/// Writes every line from `lines` to the agent, unchanged, then closes the agent's stdin.
-/// Returns when stdin ended or the agent stopped taking input (said on stderr, with how many
-/// lines it did not get).
-async fn forward_stdin(mut lines: mpsc::Receiver<std::io::Result<Vec<u8>>>, input: AgentInput) {
+/// Writes every line from `lines` to the agent, unchanged but for what `rewrite` replaces, then
+/// closes the agent's stdin. Returns when stdin ended or the agent stopped taking input (said on
+/// stderr, with how many lines it did not get).
+async fn forward_stdin(
+    mut lines: mpsc::Receiver<std::io::Result<Vec<u8>>>,
+    input: AgentInput,
+    mut rewrite: Option<CwdRewrite>,
+) {
     while let Some(line) = lines.recv().await {
         let line = match line {
             Ok(line) => line,
@@ -276,6 +287,10 @@ async fn forward_stdin(mut lines: mpsc::Receiver<std::io::Result<Vec<u8>>>, inpu
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
+        let line = rewrite
+            .as_mut()
+            .and_then(|rewrite| rewrite.apply(&line))
+            .unwrap_or(line);
         if let Err(error) = input.write_line(&line).await {
             lines.close();
             let mut left = 1;

@@ -1,7 +1,7 @@
 //! The configuration file: OpenAB's `[agent]` and `[session_runtime]` sections.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use openab_runtime::config::SessionRuntimeConfig;
 use openab_runtime::{AgentCommand, Error};
@@ -17,6 +17,8 @@ struct AgentSection {
     env: BTreeMap<String, String>,
     #[serde(default)]
     inherit_env: Vec<String>,
+    #[serde(default)]
+    needs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -66,6 +68,7 @@ impl Settings {
             let mut agent = AgentCommand::new(program).args(section.args);
             agent.env = section.env;
             agent.inherit_env = section.inherit_env;
+            agent.needs = section.needs;
             Some(agent)
         });
         Ok(Self { runtime, agent })

@@ -10,6 +10,7 @@ use session_runtime::config::{NetworkMode, ReadonlyMount};
 use session_runtime::Error;
 
 use super::host::{self, HostLayout, SystemEntry};
+use super::needs::{Needed, Why};
 use super::storage::IdentityFiles;
 use super::{
     cannot_switch, invalid, LaunchSpec, READONLY_KEY, SANDBOX_HOME, SANDBOX_STATE, SANDBOX_TMP,
@@ -155,6 +156,114 @@ const REPLACED: [&str; 6] = [
 /// Where a program from a replaced host directory is shown: `/run/host/<its host path>`.
 pub(crate) const HOST_PROGRAMS: &str = "/run/host";
 
+/// Where a bubblewrap sandbox shows the host path `real`: at the same path, or under
+/// [`HOST_PROGRAMS`] when that path is one the sandbox replaces.
+fn shown_at(real: &Path) -> PathBuf {
+    if REPLACED.iter().any(|p| real.starts_with(p)) {
+        Path::new(HOST_PROGRAMS).join(real.strip_prefix("/").unwrap_or(real))
+    } else {
+        real.to_path_buf()
+    }
+}
+
+/// Whether the sandbox shows `path` as the host has it, with the system directories and their
+/// links (`/bin/sh` through `/bin -> usr/bin`).
+fn shown_as_system(layout: &HostLayout, path: &Path) -> bool {
+    layout.system.iter().any(|entry| path.starts_with(entry.path()))
+}
+
+/// Refuses what the agent needs (besides its program and the program's directory, which are
+/// moved under [`HOST_PROGRAMS`]) that lies under a directory the sandbox replaces with its own:
+/// it could not be shown where the agent looks for it.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
+pub(super) fn check_showable(needed: &[Needed]) -> Result<(), Error> {
+    for need in needed {
+        if matches!(need.why, Why::Command | Why::CommandDir) {
+            continue;
+        }
+        for path in [&need.named, &need.real] {
+            let replaced = REPLACED
+                .iter()
+                .chain(&[HOST_PROGRAMS])
+                .find(|replaced| path.starts_with(replaced));
+            if let Some(replaced) = replaced {
+                return Err(invalid(
+                    need.why.key(),
+                    format!(
+                        "{} lies under {replaced}, which the bubblewrap sandbox replaces with its own, so \
+                         the agent could not find it there; install it elsewhere",
+                        path.display()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How a bubblewrap sandbox shows what the agent needs.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct NeedMounts {
+    /// Host paths (directories or files) and where they are shown, read-only.
+    binds: Vec<(PathBuf, PathBuf)>,
+    /// Links to create: target, then where (a need named through a link the sandbox lacks).
+    links: Vec<(PathBuf, PathBuf)>,
+}
+
+/// The binds and links that show `needed`: each real path at its own path (see [`shown_at`]),
+/// unless the system directories or an enclosing needed directory already show it, and a link at
+/// each named path that is not the real one and would otherwise be missing (e.g. a virtual
+/// environment's `bin/python` linking to the interpreter).
+fn need_mounts(layout: &HostLayout, needed: &[Needed]) -> NeedMounts {
+    let mut candidates: Vec<(PathBuf, PathBuf)> = needed
+        .iter()
+        // The program is shown with its directory, or by `program_mount`.
+        .filter(|need| need.why != Why::Command && !shown_as_system(layout, &need.real))
+        .map(|need| (need.real.clone(), shown_at(&need.real)))
+        .collect();
+    // Enclosing directories first: what lies inside one is shown by it.
+    candidates.sort_by_key(|(_, shown)| shown.components().count());
+    let mut mounts = NeedMounts::default();
+    for (host, shown) in candidates {
+        if !mounts.binds.iter().any(|(_, outer)| shown.starts_with(outer)) {
+            mounts.binds.push((host, shown));
+        }
+    }
+    for need in needed {
+        let missing = need.named != need.real
+            && !shown_as_system(layout, &need.named)
+            && !REPLACED.iter().any(|p| need.named.starts_with(p))
+            && !mounts
+                .binds
+                .iter()
+                .any(|(_, outer)| need.named.starts_with(outer))
+            && !mounts.links.iter().any(|(_, at)| *at == need.named);
+        if missing && need.why != Why::Command {
+            mounts.links.push((shown_at(&need.real), need.named.clone()));
+        }
+    }
+    mounts
+}
+
+/// Creates every directory leading to `at` that the sandbox does not have yet, mode 0755, so a
+/// session running as its own user can pass them whatever the host's modes are.
+fn need_parents(args: &mut Args, layout: &HostLayout, at: &Path, created: &mut Vec<PathBuf>) {
+    let parents: Vec<&Path> = at.ancestors().skip(1).collect();
+    for parent in parents.into_iter().rev() {
+        let exists = parent == Path::new("/")
+            || parent == Path::new("/home")
+            || layout.system.iter().any(|entry| parent.starts_with(entry.path()))
+            || created.iter().any(|made| made == parent);
+        if !exists {
+            args.push("--perms").push("0755").push("--dir").push(parent);
+            created.push(parent.to_path_buf());
+        }
+    }
+}
+
 /// How the agent program gets into the sandbox when it lives outside everything the sandbox
 /// shows: its real file (links resolved, so `/usr/local/bin/agent -> /opt/agent/bin/agent` binds
 /// the real file), bound read-only at the same path, or under [`HOST_PROGRAMS`] when that path is
@@ -184,11 +293,7 @@ fn program_mount(
     {
         return None;
     }
-    let shown = if REPLACED.iter().any(|p| real.starts_with(p)) {
-        Path::new(HOST_PROGRAMS).join(real.strip_prefix("/").unwrap_or(&real))
-    } else {
-        real.clone()
-    };
+    let shown = shown_at(&real);
     Some((real, shown))
 }
 
@@ -261,11 +366,30 @@ pub(crate) fn bwrap_args(
         traversable_parents(&mut args, mount.target());
         args.push("--ro-bind").push(mount.host()).push(mount.target());
     }
+    let mounts = need_mounts(layout, spec.needs);
+    let mut created = Vec::new();
+    for (host, shown) in &mounts.binds {
+        need_parents(&mut args, layout, shown, &mut created);
+        args.push("--ro-bind").push(host).push(shown);
+    }
+    for (target, at) in &mounts.links {
+        need_parents(&mut args, layout, at, &mut created);
+        args.push("--symlink").push(target).push(at);
+    }
     let mut program = OsString::from(spec.program);
     if let Some((real, shown)) = program_mount(layout, readonly, spec.program) {
-        traversable_parents(&mut args, &shown);
-        args.push("--ro-bind").push(&real).push(&shown);
-        program = shown.into_os_string();
+        let with_its_directory = mounts.binds.iter().find_map(|(host, at)| {
+            let inside = real.strip_prefix(host).ok()?;
+            Some(at.join(inside))
+        });
+        program = match with_its_directory {
+            Some(shown) => shown.into_os_string(),
+            None => {
+                traversable_parents(&mut args, &shown);
+                args.push("--ro-bind").push(&real).push(&shown);
+                shown.into_os_string()
+            }
+        };
     }
     args.push("--chdir").push(SANDBOX_WORKSPACE);
     args.push("--");

@@ -137,11 +137,16 @@ pub(crate) fn rules(layout: &HostLayout, readonly: &[ReadonlyMount], spec: &Laun
     read.extend(layout.resolv_conf.iter().cloned());
     read.extend(readonly.iter().map(|mount| mount.host().to_path_buf()));
     let program = Path::new(spec.program);
-    if program.is_absolute() {
-        if let Ok(real) = std::fs::canonicalize(program) {
-            if !read.iter().any(|dir| real.starts_with(dir)) {
-                read.push(real);
-            }
+    let program = program
+        .is_absolute()
+        .then(|| std::fs::canonicalize(program).ok())
+        .flatten();
+    // What the agent needs, outer directories first, so that what lies inside one adds no rule.
+    let mut needed: Vec<PathBuf> = spec.needs.iter().map(|need| need.real.clone()).collect();
+    needed.sort_by_key(|path| path.components().count());
+    for real in needed.into_iter().chain(program) {
+        if !read.iter().any(|granted| real.starts_with(granted)) {
+            read.push(real);
         }
     }
     let dirs = spec.dirs;

@@ -7,11 +7,13 @@
 //!
 //! 1. [`Sandbox::allocate_uid`]: a uid of the session's own when the broker runs as root;
 //! 2. [`Sandbox::prepare_storage`]: the session's directories made private to that uid;
-//! 3. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
+//! 3. [`Sandbox::check_needs`] (also before 1, at create): what the agent needs may be shown and
+//!    can be reached by the session's user;
+//! 4. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
 //!    environment, stdio and process group, and spawns it);
-//! 4. [`Sandbox::prepare_limits`] (before 3): the session's cgroups, with optional limits,
+//! 5. [`Sandbox::prepare_limits`] (before 4): the session's cgroups, with optional limits,
 //!    which the worker joins before its program starts;
-//! 5. [`Sandbox::release_uid`] when the session's storage is gone.
+//! 6. [`Sandbox::release_uid`] when the session's storage is gone.
 //!
 //! # Modes
 //!
@@ -23,8 +25,10 @@
 //! broker dies. Its root is an empty tmpfs holding only: the system directories read-only
 //! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
 //! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
-//! and agent state at `/state` (read-write), the configured read-only inputs, and the agent
-//! program itself when it lives outside all of these. No other session's storage exists in its
+//! and agent state at `/state` (read-write), the configured read-only inputs, and what the agent
+//! needs ([`needs`]: `[agent] needs`, the directory of the program's file, its `#!` interpreter)
+//! read-only at the same paths, when outside all of these (a program from a directory the sandbox
+//! replaces, such as the host's `/tmp`, is shown with its directory under `/run/host`). No other session's storage exists in its
 //! view, at any path. When the broker runs as root, bubblewrap sets up the sandbox as root and
 //! util-linux `setpriv` then switches to the session's uid and gid, clears supplementary groups,
 //! every capability set and sets `no_new_privs`, just before the agent is executed (bubblewrap's
@@ -36,8 +40,8 @@
 //! **Landlock**: the agent is started through the `oab-landlock-exec` helper (a binary of this
 //! crate: it keeps `unsafe` code out of the broker, as the lints require), which restricts itself
 //! with Landlock and then executes the agent as the session's uid. The agent may read and execute
-//! the system directories, `/proc` and the read-only inputs (at their host paths: Landlock cannot
-//! move them), read and write a few device files (`/dev/null`, `/dev/zero`, `/dev/full`,
+//! the system directories, `/proc`, the read-only inputs (at their host paths: Landlock cannot
+//! move them) and what the agent needs ([`needs`]), read and write a few device files (`/dev/null`, `/dev/zero`, `/dev/full`,
 //! `/dev/random`, `/dev/urandom`), and do anything in its own session directories; everything else
 //! is denied, and it can neither signal nor reach the abstract UNIX sockets of processes outside
 //! its sandbox. It sees host paths ([`Sandbox::worker_paths`]); `TMPDIR` must point at the
@@ -80,6 +84,7 @@ pub(crate) mod host;
 pub(crate) mod landlock_exec;
 #[allow(dead_code)] // `restrict_self` and `parse` are for the helper binary, which shares the file
 pub(crate) mod landlock_rules;
+pub(crate) mod needs;
 pub(crate) mod storage;
 pub(crate) mod uids;
 
@@ -170,6 +175,9 @@ pub(crate) struct LaunchSpec<'a> {
     /// The `cgroup.procs` files of cgroups the worker joins before its program starts (see
     /// [`Sandbox::joins_cgroups_at_exec`]); `None` to start it where the broker is.
     pub(crate) join_cgroups: Option<&'a [PathBuf]>,
+    /// What of the host the program needs ([`needs::resolve`], checked by
+    /// [`Sandbox::check_needs`]): shown read-only at the same paths.
+    pub(crate) needs: &'a [needs::Needed],
 }
 
 /// Overrides for [`Sandbox::detect_with`]; the defaults find everything on the host.
@@ -440,6 +448,47 @@ impl Sandbox {
             .chain(readonly)
             .find_map(|(shown, host)| Some(host.join(path.strip_prefix(shown).ok()?)))
             .unwrap_or_else(|| path.to_path_buf())
+    }
+
+    /// Checks that what the agent needs (from [`needs::resolve`]) may be shown to a session under
+    /// `root` and can be reached by the user the agent runs as: the session's `uid`, or, for a
+    /// session that will get a uid of its own and has none yet, any such user. Plain mode shows
+    /// nothing and needs nothing checked.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `agent.needs` or `agent.command`, with the path and why:
+    /// it contains the session root or lies inside it; the session's user cannot reach it (as
+    /// [`needs::check_reachable`] says); or, with bubblewrap, it lies under a directory the
+    /// sandbox replaces with its own (`/tmp`, `/proc`, `/dev`, the session's paths), where it
+    /// cannot be shown at its path.
+    pub(crate) fn check_needs(
+        &self,
+        needed: &[needs::Needed],
+        root: &Path,
+        uid: Option<u32>,
+    ) -> Result<(), Error> {
+        if self.kind() == SandboxKind::None {
+            return Ok(());
+        }
+        needs::check_apart_from(needed, root)?;
+        if self.kind() == SandboxKind::Bubblewrap {
+            bwrap::check_showable(needed)?;
+        }
+        let who = match uid {
+            Some(uid) => needs::Who::Uid(uid),
+            None if self.allocates_uids() => needs::Who::NewSessionUser,
+            None => return Ok(()),
+        };
+        let layout = &self.inner.layout;
+        let on_host = |need: &needs::Needed| {
+            self.kind() == SandboxKind::Landlock
+                || layout
+                    .system
+                    .iter()
+                    .any(|entry| matches!(entry, host::SystemEntry::Dir(dir) if need.real.starts_with(dir)))
+        };
+        needs::check_reachable(needed, who, on_host)
     }
 
     /// Whether sessions get a uid of their own: the broker runs as root and the mode isolates.

@@ -42,3 +42,15 @@ pub fn build_if_supported(builder: LocalRuntimeBuilder, mode: SandboxMode) -> Op
         Err(error) => panic!("building the {mode} runtime: {error}"),
     }
 }
+
+/// Names the Landlock helper that Cargo built for these tests, unless the runtime finds it
+/// beside the test binary's directory by itself.
+pub fn use_built_landlock_helper() {
+    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_oab-landlock-exec"));
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("oab-landlock-exec")));
+    if beside.as_deref() != Some(helper) {
+        std::env::set_var("OAB_LANDLOCK_EXEC", helper);
+    }
+}
