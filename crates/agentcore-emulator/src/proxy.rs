@@ -254,8 +254,8 @@ pub(crate) async fn splice(
     if forwarded.await.is_err() {
         return;
     }
-    let (mut from_client, mut to_worker) = client_stream.into_split();
-    let (mut from_worker, mut to_client) = worker.stream.into_split();
+    let (mut from_client, mut to_client) = client_stream.into_split();
+    let (mut from_worker, mut to_worker) = worker.stream.into_split();
     let mut up = vec![0u8; 16384];
     let mut down = vec![0u8; 16384];
     let (mut client_open, mut worker_open) = (true, true);

@@ -844,8 +844,6 @@ impl session_runtime::conformance::FaultInjector for AgentCoreRuntime {
             Ok(Some(next))
         })
         .await?;
-        // As if this process had died: it no longer holds the attachment.
-        self.inner.live.lock().remove(id);
         Ok(())
     }
 
@@ -861,7 +859,6 @@ impl session_runtime::conformance::FaultInjector for AgentCoreRuntime {
             Ok(Some(next))
         })
         .await?;
-        self.inner.live.lock().remove(id);
         Ok(())
     }
 }

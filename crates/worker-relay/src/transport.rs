@@ -286,7 +286,10 @@ where
                     }
                 }
                 Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
-                Ok(Message::Close(_) | Message::Text(_)) | Err(_) => break,
+                Ok(Message::Close(_) | Message::Text(_)) | Err(_) => {
+                    tracing::debug!(?message, "the WebSocket ended");
+                    break;
+                }
             }
         }
         let _ = far_write.shutdown().await;

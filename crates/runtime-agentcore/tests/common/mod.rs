@@ -1,0 +1,171 @@
+//! Test support: an AgentCore emulator whose workers are `oab-relay serve --agentcore --
+//! acp-test-agent` under the local sandbox, and an [`AgentCoreRuntime`] pointed at it with the
+//! emulator's static credentials.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use agentcore_emulator::{Emulator, EmulatorBuilder, WorkerCommand};
+use aws_credential_types::provider::SharedCredentialsProvider;
+use aws_credential_types::Credentials;
+use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
+use session_runtime::config::AgentCoreConfig;
+use session_runtime::{SessionId, SessionIdentity};
+use worker_relay::BrokerKey;
+
+/// How long any single step may take before a test calls it hung.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// The installation every test's identities name.
+pub const INSTALLATION: &str = "agentcore-tests";
+
+/// An emulator, a runtime pointed at it, and the directory both keep their state in.
+pub struct Harness {
+    pub emulator: Emulator,
+    pub runtime: Arc<AgentCoreRuntime>,
+    pub config: AgentCoreConfig,
+    pub key: BrokerKey,
+    pub dir: tempfile::TempDir,
+}
+
+/// What a test may change before the harness starts.
+pub struct Setup {
+    pub emulator: EmulatorBuilder,
+    pub config: AgentCoreConfig,
+    pub runtime: Box<dyn FnOnce(AgentCoreRuntimeBuilder) -> AgentCoreRuntimeBuilder>,
+}
+
+/// Starts a harness with session storage on (the emulator keeps it across stops).
+pub async fn start() -> Harness {
+    start_with(|setup| setup).await
+}
+
+/// Logs to stderr when `AGENTCORE_TEST_LOG` is set (e.g. `debug`).
+pub fn init_tracing() {
+    if let Ok(filter) = std::env::var("AGENTCORE_TEST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
+/// Starts a harness after `tweak` changed the setup.
+pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup) -> Harness {
+    init_tracing();
+    let dir = tempfile::tempdir().expect("a state directory");
+    let (relay, agent) = relay_and_agent();
+    let worker = WorkerCommand::relay(
+        &relay,
+        [
+            agent.to_string_lossy().into_owned(),
+            "--exec-dir".into(),
+            ".".into(),
+            "--state-dir".into(),
+            ".acp-test-agent".into(),
+        ],
+    )
+    .env(
+        "OAB_RELAY_LOG",
+        std::env::var("OAB_RELAY_LOG").unwrap_or_else(|_| "info".into()),
+    );
+    let mut config =
+        AgentCoreConfig::new("arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/placeholder");
+    config.state_dir = dir.path().join("broker");
+    config.session_storage = true;
+    config.start_timeout = Duration::from_secs(30);
+    let setup = tweak(Setup {
+        emulator: Emulator::builder().worker_command(worker),
+        config,
+        runtime: Box::new(|builder| builder),
+    });
+    let emulator = setup.emulator.start().await.expect("the emulator starts");
+    let mut config = setup.config;
+    config.runtime_arn = emulator.runtime_arn().to_string();
+    config.endpoint_url = Some(emulator.endpoint_url());
+    let key = BrokerKey::new(b"runtime-agentcore tests' key, 32b".to_vec());
+    let creds = emulator.credentials();
+    let credentials = Credentials::new(
+        creds.access_key_id(),
+        creds.secret_access_key(),
+        creds.session_token().map(str::to_owned),
+        None,
+        "agentcore-tests",
+    );
+    let builder = AgentCoreRuntime::builder(config.clone())
+        .installation(INSTALLATION)
+        .broker_key(key.clone())
+        .credentials(SharedCredentialsProvider::new(credentials));
+    let runtime = (setup.runtime)(builder).build().expect("the runtime builds");
+    Harness {
+        emulator,
+        runtime: Arc::new(runtime),
+        config,
+        key,
+        dir,
+    }
+}
+
+impl Harness {
+    /// The runtime session id of `id`'s `incarnation`, as the emulator sees it.
+    pub fn runtime_session(&self, id: &SessionId, incarnation: u64) -> String {
+        self.runtime.runtime_session_id(id, incarnation)
+    }
+}
+
+/// A fresh identity per call.
+pub fn identity(name: &str) -> SessionIdentity {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    SessionIdentity::new(
+        INSTALLATION,
+        "agent",
+        "test",
+        format!("{name}-{}-{n}", std::process::id()),
+    )
+    .expect("a valid identity")
+}
+
+/// Runs `f` with the standard patience.
+pub async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(PATIENCE, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {PATIENCE:?}"))
+}
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("test binary in <target>/<profile>/deps")
+        .to_path_buf()
+}
+
+/// `oab-relay` and `acp-test-agent` of this workspace, built first (cargo brings them up to date).
+pub fn relay_and_agent() -> (PathBuf, PathBuf) {
+    static PATHS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    PATHS
+        .get_or_init(|| {
+            let profile = profile_dir();
+            let target = profile.parent().expect("target dir").to_path_buf();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build
+                .args(["build", "--quiet", "-p", "worker-relay", "--bin", "oab-relay"])
+                .args(["-p", "acp-test-agent", "--bin", "acp-test-agent", "--target-dir"])
+                .arg(&target);
+            if profile.file_name().is_some_and(|name| name == "release") {
+                build.arg("--release");
+            }
+            let started = SystemTime::now();
+            let status = build.status().expect("run cargo build");
+            assert!(status.success(), "building oab-relay and acp-test-agent failed");
+            tracing::debug!(took = ?started.elapsed(), "workers built");
+            (profile.join("oab-relay"), profile.join("acp-test-agent"))
+        })
+        .clone()
+}
