@@ -36,7 +36,7 @@ pub struct Harness {
 pub struct Setup {
     pub emulator: EmulatorBuilder,
     pub config: AgentCoreConfig,
-    pub runtime: Box<dyn FnOnce(AgentCoreRuntimeBuilder) -> AgentCoreRuntimeBuilder>,
+    pub runtime: Box<dyn FnOnce(AgentCoreRuntimeBuilder) -> AgentCoreRuntimeBuilder + Send>,
 }
 
 /// Starts a harness with session storage on (the emulator keeps it across stops).
@@ -55,7 +55,7 @@ pub fn init_tracing() {
 }
 
 /// Starts a harness after `tweak` changed the setup.
-pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup) -> Harness {
+pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
     init_tracing();
     let dir = tempfile::tempdir().expect("a state directory");
     let (relay, agent) = relay_and_agent();
