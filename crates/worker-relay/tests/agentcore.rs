@@ -239,8 +239,11 @@ async fn a_wipe_with_the_token_empties_the_storage_and_ends_the_runtime_session(
     let (status, response) = http_status(http, invocation(&header, &wipe_request(&token))).await;
     assert_eq!(status, 200, "{response}");
     assert!(response.contains(r#""wiped":true"#), "{response}");
-    let left: Vec<_> = std::fs::read_dir(dir.path()).expect("the dir").collect();
-    assert!(left.is_empty(), "the storage must be empty: {left:?}");
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("the dir")
+        .map(|entry| entry.expect("an entry").file_name())
+        .collect();
+    assert_eq!(left, [".oab-relay"], "only the relay's closed marker is left");
     assert!(
         outside.path().join("keep").exists(),
         "a link is removed, never followed"
@@ -251,4 +254,36 @@ async fn a_wipe_with_the_token_empties_the_storage_and_ends_the_runtime_session(
     let ended = within("the stream ends", attachment.output().read_to_end(&mut rest)).await;
     assert!(ended.is_err(), "the wiped session's stream ends with an error");
     assert!(attach(http, &header, session, 2, 1, &key()).await.is_err());
+}
+
+/// A stopped microVM takes the relay's memory with it, but not the session storage: a relay that
+/// starts on the same storage refuses the generations that already ran there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_that_ran_before_a_restart_stays_fenced_after_it() {
+    let dir = tempfile::tempdir().expect("a workdir");
+    let session = common::session("agentcore-floor");
+    let header = runtime_session(session, 1, &key());
+    let (mut relay, http) = start(session, dir.path()).await;
+    let (mut first, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("generation 1");
+    assert_eq!(read_line(&mut first).await.expect("a line"), "previous-gone");
+    relay.child.kill().await.expect("the microVM stops");
+    drop(first);
+
+    let (_restarted, http) = start(session, dir.path()).await;
+    let stale = attach(http, &header, session, 1, 1, &key()).await;
+    assert!(
+        matches!(stale, Err(Error::Backend { retryable: false, .. })),
+        "generation 1 must not run again: {stale:?}"
+    );
+    let (mut second, _) = attach(http, &header, session, 2, 1, &key())
+        .await
+        .expect("generation 2");
+    second.input().write_line("fresh").await.expect("write");
+    let mut lines = Vec::new();
+    for _ in 0..2 {
+        lines.push(read_line(&mut second).await.expect("a line"));
+    }
+    assert!(lines.contains(&"fresh".to_owned()), "{lines:?}");
 }

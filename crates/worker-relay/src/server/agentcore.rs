@@ -13,6 +13,9 @@
 //!   older generation to it too (which refuses it as stale), and for a newer generation retires
 //!   the current relay, killing its agent and waiting for it to be gone, before a relay for the
 //!   new generation starts the new agent: two generations never touch the storage at once;
+//! - starts an agent only for a generation newer than any that ran on the session storage before,
+//!   in this microVM or an earlier one (the floor is kept in the storage), so a broker that
+//!   reconnects after its microVM was stopped is refused instead of reviving its generation;
 //! - on a wipe request (an `/invocations` body from [`wipe_request`](crate::agentcore::wipe_request)
 //!   with the bound session's token) retires the agent, empties the session storage and starts
 //!   no agent again: AgentCore cannot delete session storage, so a closing broker does it here.
@@ -215,18 +218,23 @@ impl Front {
             relay.retire().await;
         }
         let storage = self.storage.clone();
-        let removed = tokio::task::spawn_blocking(move || empty_dir(&storage))
-            .await
-            .map_err(|error| std::io::Error::other(error.to_string()))
-            .and_then(|result| result)
-            .map_err(|error| HttpRefusal {
-                status: 500,
-                reason: "Internal Server Error",
-                body: format!(
-                    "deleting the session storage {}: {error}\n",
-                    self.storage.display()
-                ),
-            })?;
+        let removed = tokio::task::spawn_blocking(move || {
+            let removed = empty_dir(&storage)?;
+            // A later microVM on this storage (AgentCore starts one for any request) starts nothing.
+            GenerationFloor::new(&storage).write(CLOSED)?;
+            Ok(removed)
+        })
+        .await
+        .map_err(|error| std::io::Error::other(error.to_string()))
+        .and_then(|result| result)
+        .map_err(|error| HttpRefusal {
+            status: 500,
+            reason: "Internal Server Error",
+            body: format!(
+                "deleting the session storage {}: {error}\n",
+                self.storage.display()
+            ),
+        })?;
         tracing::info!(session = bound.session(), removed, "session storage deleted");
         Ok(removed)
     }
@@ -298,6 +306,33 @@ impl Front {
         {
             return Ok(relay.clone());
         }
+        // A new agent starts only for a generation newer than every one that ever ran on this
+        // storage, in this microVM or an earlier one: a broker that reconnects after its microVM
+        // was stopped must not bring its generation back to life.
+        let floor = GenerationFloor::new(&self.storage);
+        let ran = floor.read().map_err(|error| {
+            (
+                ErrorCode::Internal,
+                format!("reading {}: {error}", floor.path.display()),
+            )
+        })?;
+        if hello.generation <= ran {
+            let message = if ran == CLOSED {
+                "this runtime session was closed and its storage deleted".to_owned()
+            } else {
+                format!(
+                    "generation {} already ran on this session storage (the newest was {ran}); its worker is gone",
+                    hello.generation
+                )
+            };
+            return Err((ErrorCode::StaleGeneration, message));
+        }
+        floor.write(hello.generation).map_err(|error| {
+            (
+                ErrorCode::Internal,
+                format!("writing {}: {error}", floor.path.display()),
+            )
+        })?;
         if let Some(previous) = current {
             tracing::info!(
                 previous = previous.config().generation,
@@ -310,6 +345,55 @@ impl Front {
         let relay = Relay::new(config).map_err(|error| (ErrorCode::Internal, error.to_string()))?;
         *self.current.lock() = Some(relay.clone());
         Ok(relay)
+    }
+}
+
+/// The generation floor's value once the storage was wiped: nothing may run again.
+const CLOSED: u64 = u64::MAX;
+
+/// The newest generation that started an agent on the session storage, kept in the storage
+/// itself (`.oab-relay/generation`), the one place that outlives the microVM. The agent can
+/// write it too; it can only harm its own session that way.
+struct GenerationFloor {
+    path: PathBuf,
+}
+
+impl GenerationFloor {
+    fn new(storage: &Path) -> Self {
+        Self {
+            path: storage.join(".oab-relay").join("generation"),
+        }
+    }
+
+    /// The floor; 0 if none was written (fresh storage, or no storage that outlives the microVM).
+    fn read(&self) -> std::io::Result<u64> {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => text
+                .trim()
+                .parse()
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not a generation")),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(0),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Records `generation`, durably, before its agent starts.
+    fn write(&self, generation: u64) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::DirBuilderExt;
+        let Some(dir) = self.path.parent() else {
+            return Ok(());
+        };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        let temporary = dir.join("generation.tmp");
+        let mut file = std::fs::File::create(&temporary)?;
+        file.write_all(generation.to_string().as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, &self.path)?;
+        std::fs::File::open(dir)?.sync_all()
     }
 }
 
