@@ -35,6 +35,8 @@ pub struct Harness {
 /// What a test may change before the harness starts.
 pub struct Setup {
     pub emulator: EmulatorBuilder,
+    /// The worker: `oab-relay serve --agentcore -- acp-test-agent` (add inputs here).
+    pub worker: WorkerCommand,
     pub config: AgentCoreConfig,
     pub runtime: Box<dyn FnOnce(AgentCoreRuntimeBuilder) -> AgentCoreRuntimeBuilder + Send>,
 }
@@ -79,11 +81,17 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
     config.session_storage = true;
     config.start_timeout = Duration::from_secs(30);
     let setup = tweak(Setup {
-        emulator: Emulator::builder().worker_command(worker),
+        emulator: Emulator::builder(),
+        worker,
         config,
         runtime: Box::new(|builder| builder),
     });
-    let emulator = setup.emulator.start().await.expect("the emulator starts");
+    let emulator = setup
+        .emulator
+        .worker_command(setup.worker)
+        .start()
+        .await
+        .expect("the emulator starts");
     let mut config = setup.config;
     config.runtime_arn = emulator.runtime_arn().to_string();
     config.endpoint_url = Some(emulator.endpoint_url());
