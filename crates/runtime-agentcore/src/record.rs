@@ -44,6 +44,10 @@ pub struct SessionRecord {
     /// When the current worker generation was attached, while one runs.
     #[serde(default, with = "unix_millis_option", skip_serializing_if = "Option::is_none")]
     pub worker_started_at: Option<SystemTime>,
+    /// Whether this incarnation was ever attached: before that, nothing ran and its session
+    /// storage holds nothing, so closing it calls nothing remote.
+    #[serde(default)]
+    pub attached: bool,
     /// Whether the microVM of this incarnation is known to be gone (stopped after a suspend or
     /// close); `false` while one may still run the session's agent.
     #[serde(default)]
@@ -92,6 +96,7 @@ impl SessionRecord {
             created_at: now,
             last_activity: now,
             worker_started_at: None,
+            attached: false,
             compute_released: true,
             close_intent: None,
             closed_at: None,

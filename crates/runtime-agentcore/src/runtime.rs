@@ -407,6 +407,7 @@ impl AgentCoreRuntime {
                     next.suspend_reason = None;
                     next.worker_started_at = Some(now());
                     next.last_activity = now();
+                    next.attached = true;
                     next.compute_released = false;
                     Ok(Some(next))
                 }
@@ -541,6 +542,8 @@ impl AgentCoreRuntime {
                 .retained_until(record.close_reason.unwrap_or(CloseReason::Ended), now()),
         };
         match retained {
+            // Never attached: no microVM ran and the session storage was never written.
+            _ if !record.attached => {}
             None => self.delete_storage(id, record.incarnation).await?,
             Some(_) => self.stop_compute(id, record.incarnation).await?,
         }
@@ -552,8 +555,9 @@ impl AgentCoreRuntime {
             let mut next = current.clone();
             next.state = SessionState::Closed;
             next.storage = match retained {
-                None => StorageState::Deleted,
-                Some(until) => StorageState::Retained { until },
+                Some(until) if current.attached => StorageState::Retained { until },
+                // Deleted, or never written: nothing is kept.
+                _ => StorageState::Deleted,
             };
             next.closed_at = Some(now());
             next.compute_released = true;

@@ -33,13 +33,20 @@ async fn two_agentcore_sessions_cannot_touch_each_other() {
         IsolationLevel::Namespaces,
         "the emulator must sandbox its workers (install bubblewrap): it reports {sandbox}"
     );
-    let options = SuiteOptions::new(common::INSTALLATION).with_shared_input(SharedInput::new(skill.to_string_lossy()));
-    let report = isolation_suite::run(harness.runtime.clone(), &options)
-        .await
-        .expect("the suite runs");
+    let options =
+        SuiteOptions::new(common::INSTALLATION).with_shared_input(SharedInput::new(skill.to_string_lossy()));
+    let report = isolation_suite::run(
+        std::sync::Arc::clone(&harness.runtime) as std::sync::Arc<_>,
+        &options,
+    )
+    .await
+    .expect("the suite runs");
     println!("{report}");
     assert!(report.skipped.is_empty(), "every step runs: {:?}", report.skipped);
     let problems: Vec<_> = report.problems().collect();
-    assert!(report.passed(), "isolation must hold between sessions: {problems:#?}");
+    assert!(
+        report.passed(),
+        "isolation must hold between sessions: {problems:#?}"
+    );
     harness.emulator.shutdown().await.expect("the emulator stops");
 }

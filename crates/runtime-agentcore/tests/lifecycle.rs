@@ -66,3 +66,134 @@ async fn create_provisions_nothing_remote_and_attach_reaches_the_agent() {
     assert_eq!(status.state, SessionState::Running);
     harness.emulator.shutdown().await.expect("stop");
 }
+
+fn stops(harness: &common::Harness) -> usize {
+    harness
+        .emulator
+        .requests()
+        .iter()
+        .filter(|r| r.operation == Some(agentcore_emulator::Operation::Stop))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspend_stops_the_microvm_resume_finds_the_storage_and_close_deletes_it() {
+    use session_runtime::{CloseReason, StorageState, SuspendReason};
+    let harness = common::start().await;
+    let identity = common::identity("storage");
+    let id = within("create", harness.runtime.create(&identity, &CreateOptions::new()))
+        .await
+        .expect("create")
+        .id;
+    let rsid = harness.runtime_session(&id, 1);
+    let attachment = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("attach");
+    let storage = harness.emulator.session_storage(&rsid).await.expect("storage");
+    std::fs::write(storage.join("notes.txt"), b"kept").expect("a file in the session storage");
+    drop(attachment);
+
+    within("suspend", harness.runtime.suspend(&id, SuspendReason::Idle))
+        .await
+        .expect("suspend");
+    assert!(
+        !harness.emulator.is_running(&rsid),
+        "suspend released the microVM"
+    );
+    let _resumed = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("resume");
+    assert!(
+        harness.emulator.is_running(&rsid),
+        "the same runtime session runs again"
+    );
+    assert!(
+        storage.join("notes.txt").exists(),
+        "the session storage survived the stop"
+    );
+
+    within("close", harness.runtime.close(&id, CloseReason::Reset))
+        .await
+        .expect("close");
+    assert!(!harness.emulator.is_running(&rsid));
+    assert!(
+        !storage.join("notes.txt").exists(),
+        "the close deleted the storage's contents"
+    );
+    let status = harness.runtime.status(&id).await.expect("status");
+    assert_eq!(status.storage, StorageState::Deleted);
+
+    let again = within("create", harness.runtime.create(&identity, &CreateOptions::new()))
+        .await
+        .expect("create again");
+    assert!(again.created);
+    let _fresh = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("attach");
+    let next = harness.runtime_session(&id, 2);
+    assert_ne!(next, rsid, "a new incarnation is a new runtime session");
+    assert!(harness.emulator.is_running(&next));
+    let fresh_storage = harness.emulator.session_storage(&next).await.expect("storage");
+    assert!(!fresh_storage.join("notes.txt").exists());
+    harness.emulator.shutdown().await.expect("stop");
+}
+
+/// `session/cancel` travels over the stream to the agent, which ends its turn; the microVM is
+/// never stopped for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reaches_the_agent_in_band_and_never_stops_the_microvm() {
+    let harness = common::start().await;
+    let identity = common::identity("cancel");
+    let id = within("create", harness.runtime.create(&identity, &CreateOptions::new()))
+        .await
+        .expect("create")
+        .id;
+    let mut attachment = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("attach");
+    let cwd = attachment.working_dir().to_owned();
+    let input = attachment.input().clone();
+    input
+        .write_line(format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"session/new","params":{{"cwd":"{cwd}","mcpServers":[]}}}}"#
+        ))
+        .await
+        .expect("write");
+    let created = read_line(&mut attachment).await;
+    let session: serde_json::Value = serde_json::from_str(&created).expect("json");
+    let acp_session = session["result"]["sessionId"]
+        .as_str()
+        .expect("a session id")
+        .to_owned();
+    input
+        .write_line(format!(
+            r#"{{"jsonrpc":"2.0","id":2,"method":"session/prompt","params":{{"sessionId":"{acp_session}","prompt":[{{"type":"text","text":"/chunks=100000 /delay_ms=10 long turn"}}]}}}}"#
+        ))
+        .await
+        .expect("write");
+    for _ in 0..3 {
+        let update = read_line(&mut attachment).await;
+        assert!(update.contains("session/update"), "{update}");
+    }
+    let stops_before = stops(&harness);
+    input
+        .write_line(format!(
+            r#"{{"jsonrpc":"2.0","method":"session/cancel","params":{{"sessionId":"{acp_session}"}}}}"#
+        ))
+        .await
+        .expect("write");
+    let answer = loop {
+        let line = read_line(&mut attachment).await;
+        if line.contains(r#""id":2"#) {
+            break line;
+        }
+    };
+    assert!(answer.contains("cancelled"), "{answer}");
+    assert_eq!(
+        stops(&harness),
+        stops_before,
+        "cancel never calls StopRuntimeSession"
+    );
+    assert!(harness.emulator.is_running(&harness.runtime_session(&id, 1)));
+    harness.emulator.shutdown().await.expect("stop");
+}
