@@ -54,12 +54,17 @@ pub use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
 #[cfg(feature = "kubernetes")]
 pub use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 
+#[cfg(feature = "agentcore")]
+pub use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
+
 use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 
 /// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
 ///
 /// The Kubernetes runtime runs its cluster-owned profile's agent instead of `agent`, and finds
 /// its API server on first use (`KUBECONFIG`, `~/.kube/config`, or the Pod's service account).
+/// The AgentCore runtime runs the agent of its worker image (`deploy/agentcore/`), and takes
+/// AWS credentials from the standard provider chain on first use.
 ///
 /// # Errors
 /// - [`Error::InvalidConfig`] naming `session_runtime.type` if the selected backend's cargo
@@ -85,6 +90,11 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
         #[cfg(feature = "kubernetes")]
         RuntimeKind::Kubernetes => Ok(Arc::new(
             runtime_kubernetes::KubernetesRuntime::builder_from_config(config)?.build()?,
+        )),
+        // Likewise: the microVM runs the agent baked into the runtime's image.
+        #[cfg(feature = "agentcore")]
+        RuntimeKind::Agentcore => Ok(Arc::new(
+            runtime_agentcore::AgentCoreRuntime::builder_from_config(config)?.build()?,
         )),
         _ => Err(Error::InvalidConfig {
             key: "session_runtime.type".into(),

@@ -69,3 +69,29 @@ fn a_kubernetes_section_builds_the_kubernetes_runtime_without_contacting_a_clust
     let runtime = from_config(&config, &agent()).expect("a runtime; the client is inferred on first use");
     assert_eq!(runtime.name(), "kubernetes");
 }
+
+#[cfg(feature = "agentcore")]
+#[test]
+fn an_agentcore_section_builds_the_agentcore_runtime_without_calling_aws() {
+    let state = tempfile::tempdir().expect("a state directory");
+    let config = SessionRuntimeConfig::from_toml_document(&format!(
+        "[session_runtime]\ntype = \"agentcore\"\n[session_runtime.agentcore]\n\
+         runtime_arn = \"arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/x\"\n\
+         session_storage = true\nstate_dir = \"{}\"\n",
+        state.path().display()
+    ))
+    .expect("the config parses");
+    let runtime = from_config(&config, &agent()).expect("a runtime; AWS is configured on first use");
+    assert_eq!(runtime.name(), "agentcore");
+    let capabilities = runtime.capabilities();
+    assert_eq!(capabilities.isolation, openab_runtime::IsolationLevel::MicroVm);
+    assert!(capabilities.persistent_storage);
+    assert_eq!(
+        capabilities.max_lifetime,
+        Some(std::time::Duration::from_secs(8 * 3600))
+    );
+    assert!(
+        state.path().join("relay.key").exists(),
+        "the relay key is made in the state directory"
+    );
+}
