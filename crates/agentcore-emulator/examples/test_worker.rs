@@ -1,0 +1,204 @@
+//! A tiny stand-in for `oab-relay serve --http 127.0.0.1:0 --agentcore`, for the emulator's own
+//! tests: announces its port like the relay, then serves
+//!
+//! - `GET /ping`: `{"status":"Healthy"}`, or `HealthyBusy` after `{"op":"busy","on":true}`;
+//! - `POST /invocations` with a JSON payload: `{"op":"stream","chunks":N,"gap_ms":M}` streams N
+//!   SSE events; `{"op":"write","name":F,"content":C}` / `{"op":"read","name":F}` use a file in the
+//!   working directory (the session storage); `{"op":"info"}` answers the pid, working directory
+//!   and the session id header it received;
+//! - `GET /ws`: a WebSocket that first sends `hello <session id header>` and then echoes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
+use tokio_tungstenite::tungstenite::Message;
+
+static BOOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+const SESSION_HEADER: &str = "x-amzn-bedrock-agentcore-runtime-session-id";
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::io::Result<()> {
+    // Pids repeat across pid namespaces: a boot id tells one worker from the next.
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let _ = BOOT.set(format!("{}-{boot}", std::process::id()));
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    println!("oab-relay: listening on http {}", listener.local_addr()?);
+    let busy = Arc::new(AtomicBool::new(false));
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let busy = Arc::clone(&busy);
+        tokio::spawn(async move {
+            let _ = serve(stream, busy).await;
+        });
+    }
+}
+
+async fn serve(stream: TcpStream, busy: Arc<AtomicBool>) -> std::io::Result<()> {
+    // Peek at the request line: a WebSocket handshake goes to tungstenite untouched.
+    let mut peeked = [0u8; 16];
+    loop {
+        let n = stream.peek(&mut peeked).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        if n >= 8 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if peeked.starts_with(b"GET /ws") {
+        return websocket(stream).await;
+    }
+    http(stream, busy).await
+}
+
+async fn websocket(stream: TcpStream) -> std::io::Result<()> {
+    let mut session = String::new();
+    // tungstenite's callback signature fixes the (large) error type.
+    #[allow(clippy::result_large_err)]
+    let callback = |request: &Request, response: Response| {
+        session = request
+            .headers()
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("<none>")
+            .to_owned();
+        Ok(response)
+    };
+    let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+        return Ok(());
+    };
+    let _ = ws.send(Message::text(format!("hello {session}"))).await;
+    while let Some(Ok(message)) = ws.next().await {
+        match message {
+            Message::Text(text) if ws.send(Message::text(format!("echo {text}"))).await.is_err() => break,
+            Message::Close(_) => break,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+async fn http(mut stream: TcpStream, busy: Arc<AtomicBool>) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let header = |name: &str| {
+        head.lines()
+            .filter_map(|line| line.split_once(':'))
+            .find(|(key, _)| key.trim().eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.trim().to_owned())
+    };
+    let length: usize = header("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    if head.starts_with("GET /ping") {
+        let status = if busy.load(Ordering::Relaxed) {
+            "HealthyBusy"
+        } else {
+            "Healthy"
+        };
+        return json(&mut stream, &serde_json::json!({ "status": status })).await;
+    }
+    if !head.starts_with("POST /invocations") {
+        return stream
+            .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            .await;
+    }
+    let payload: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let text = |key: &str| {
+        payload
+            .get(key)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    match payload.get("op").and_then(|v| v.as_str()).unwrap_or_default() {
+        "stream" => {
+            let chunks = payload.get("chunks").and_then(|v| v.as_u64()).unwrap_or(3);
+            let gap = Duration::from_millis(payload.get("gap_ms").and_then(|v| v.as_u64()).unwrap_or(0));
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                .await?;
+            for i in 0..chunks {
+                if i > 0 {
+                    tokio::time::sleep(gap).await;
+                }
+                let event = format!("data: {i}\n\n");
+                stream
+                    .write_all(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes())
+                    .await?;
+            }
+            stream.write_all(b"0\r\n\r\n").await
+        }
+        "write" => {
+            std::fs::write(text("name"), text("content"))?;
+            json(&mut stream, &serde_json::json!({ "ok": true })).await
+        }
+        "read" => {
+            let content = std::fs::read_to_string(text("name")).ok();
+            json(&mut stream, &serde_json::json!({ "content": content })).await
+        }
+        "busy" => {
+            busy.store(
+                payload.get("on").and_then(|v| v.as_bool()).unwrap_or(false),
+                Ordering::Relaxed,
+            );
+            json(&mut stream, &serde_json::json!({ "ok": true })).await
+        }
+        "fail" => {
+            stream
+                .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+                .await
+        }
+        _ => {
+            let cwd = std::env::current_dir()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            let info = serde_json::json!({
+                "pid": std::process::id(),
+                "boot": BOOT.get(),
+                "cwd": cwd,
+                "session": header(SESSION_HEADER),
+                "content_type": header("content-type"),
+            });
+            json(&mut stream, &info).await
+        }
+    }
+}
+
+async fn json(stream: &mut TcpStream, value: &serde_json::Value) -> std::io::Result<()> {
+    let body = value.to_string();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
