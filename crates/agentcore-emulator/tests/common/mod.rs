@@ -104,24 +104,20 @@ pub fn test_worker() -> PathBuf {
     .clone()
 }
 
-/// `oab-relay` and `acp-test-agent`, built if needed.
+/// `oab-relay` and `acp-test-agent` from this target directory. They are not built here (a
+/// nested cargo would wait for the outer one's lock): build them first with
+/// `cargo build -p worker-relay --bin oab-relay -p acp-test-agent`.
 pub fn relay_and_agent() -> (PathBuf, PathBuf) {
-    static PATHS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    PATHS
-        .get_or_init(|| {
-            let relay = built(
-                profile_dir().join("oab-relay"),
-                &["-p", "worker-relay", "--bin", "oab-relay"],
-                &["../worker-relay/src"],
-            );
-            let agent = built(
-                profile_dir().join("acp-test-agent"),
-                &["-p", "acp-test-agent", "--bin", "acp-test-agent"],
-                &["../acp-test-agent/src"],
-            );
-            (relay, agent)
-        })
-        .clone()
+    let profile = profile_dir();
+    let (relay, agent) = (profile.join("oab-relay"), profile.join("acp-test-agent"));
+    for path in [&relay, &agent] {
+        assert!(
+            path.exists(),
+            "{} is missing: run `cargo build -p worker-relay --bin oab-relay -p acp-test-agent` first",
+            path.display()
+        );
+    }
+    (relay, agent)
 }
 
 /// A launcher running the test worker, sandboxed as `mode`, with storage under `root`.
