@@ -287,3 +287,57 @@ async fn a_generation_that_ran_before_a_restart_stays_fenced_after_it() {
     }
     assert!(lines.contains(&"fresh".to_owned()), "{lines:?}");
 }
+
+/// The AgentCore worker image (`deploy/agentcore/Dockerfile`) starts the relay with a command
+/// line it accepts: run here with the image's entrypoint, only the address, the storage path and
+/// the agent replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agentcore_images_entrypoint_is_a_command_line_the_relay_accepts() {
+    use tokio::io::AsyncBufReadExt;
+    let dockerfile =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/agentcore/Dockerfile");
+    let text = std::fs::read_to_string(&dockerfile).expect("the Dockerfile");
+    let line = text
+        .lines()
+        .find_map(|line| line.strip_prefix("ENTRYPOINT "))
+        .expect("an ENTRYPOINT line");
+    let entrypoint: Vec<String> = serde_json::from_str(line).expect("the exec form: a JSON array");
+    assert_eq!(
+        entrypoint.first().map(String::as_str),
+        Some("/usr/local/bin/oab-relay")
+    );
+    assert_eq!(
+        entrypoint.last().map(String::as_str),
+        Some("--"),
+        "the agent follows as CMD"
+    );
+    let dir = tempfile::tempdir().expect("a storage directory");
+    let storage = dir.path().to_string_lossy().into_owned();
+    let args: Vec<String> = entrypoint[1..]
+        .iter()
+        .map(|arg| match arg.as_str() {
+            "0.0.0.0:8080" => "127.0.0.1:0".to_owned(),
+            "/mnt/workspace" => storage.clone(),
+            other => other.to_owned(),
+        })
+        .collect();
+    let mut child = tokio::process::Command::new(common::RELAY)
+        .args(&args)
+        .arg("cat")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the relay starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let line = within(
+        "the announcement",
+        tokio::io::BufReader::new(stdout).lines().next_line(),
+    )
+    .await
+    .expect("read")
+    .expect("the relay announces its listener");
+    assert!(
+        line.starts_with("oab-relay: listening on http 127.0.0.1:"),
+        "{line}"
+    );
+}
