@@ -63,6 +63,11 @@ impl SessionDirs {
         self.base.join("lock")
     }
 
+    /// The directory of the session's egress proxy sockets (`network = "allowlist"`).
+    pub(crate) fn egress(&self) -> PathBuf {
+        self.base.join("egress")
+    }
+
     /// The directories the agent may use, in creation order.
     pub(crate) fn agent_dirs(&self) -> [&Path; 4] {
         [&self.workspace, &self.home, &self.state, &self.tmp]

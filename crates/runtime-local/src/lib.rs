@@ -64,6 +64,7 @@
 //! `reconcile`, sandboxed ones die with the broker). Replay on re-attach: no (re-attaching starts a
 //! new generation; the broker uses `session/load`).
 
+mod egress;
 mod errors;
 mod layout;
 mod process;

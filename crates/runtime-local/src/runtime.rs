@@ -17,6 +17,7 @@ use session_runtime::{
     SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure,
 };
 
+use crate::egress::EgressProxy;
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
@@ -64,6 +65,10 @@ struct Live {
     fence: FenceTrigger,
     activity: Activity,
     limits: Option<LimitsHandle>,
+    /// The worker's egress proxy (`network = "allowlist"`): held for its drop, which stops it
+    /// when the worker is gone.
+    #[allow(dead_code)]
+    egress: Option<EgressProxy>,
 }
 
 /// An exclusive `flock` on a session's lock file.
@@ -326,7 +331,20 @@ impl LocalRuntime {
             .as_ref()
             .filter(|_| joins_at_exec)
             .map(LimitsHandle::procs_files);
+        // The proxy listens before the worker starts, so the agent's first connection finds it.
+        let egress = match &self.settings.egress {
+            Some(egress) => match EgressProxy::start(id, &egress.plan, &dirs.egress(), record.uid) {
+                Ok(proxy) => Some((proxy, egress.plan.launch(&egress.forwarder, &dirs.egress()))),
+                Err(error) => {
+                    remove_cgroups(&id, limits.as_ref());
+                    self.record_not_started(&mut record)?;
+                    return Err(error);
+                }
+            },
+            None => None,
+        };
         let spec = LaunchSpec {
+            egress: egress.as_ref().map(|(_, launch)| launch),
             id: &id,
             program: &self.settings.agent.program,
             args: &self.settings.agent.args,
@@ -385,6 +403,7 @@ impl LocalRuntime {
             fence: trigger,
             activity: activity.clone(),
             limits,
+            egress: egress.map(|(proxy, _)| proxy),
         });
         tracing::debug!(session = %id, generation, worker = %spawned.worker.process.pid, "worker started");
         Ok(Attachment::new(AttachmentParts::new(
@@ -464,6 +483,13 @@ impl LocalRuntime {
             if let Ok(value) = std::env::var(key) {
                 env.retain(|(k, _)| k != key);
                 env.push((key.clone(), value));
+            }
+        }
+        if let Some(egress) = &self.settings.egress {
+            // The only way out of the session's network namespace; set last, so it is the one.
+            for (key, value) in egress.plan.environment() {
+                env.retain(|(k, _)| *k != key);
+                env.push((key, value));
             }
         }
         env.push((WORKER_MARKER.into(), marker_value(&self.scope(), id, generation)));

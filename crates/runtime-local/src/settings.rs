@@ -4,10 +4,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use session_runtime::config::{
-    LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode, SessionRuntimeConfig,
+    EgressTarget, LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode, SessionRuntimeConfig,
 };
 use session_runtime::{AgentCommand, Error, IsolationLevel, Result, RetentionPolicy, SessionIdentity};
 
+use crate::egress::{EgressPlan, FORWARDER_ENV, FORWARDER_NAME};
 use crate::runtime::LocalRuntime;
 use crate::sandbox::Sandbox;
 
@@ -22,6 +23,17 @@ pub(crate) struct LocalSettings {
     pub(crate) terminate_grace: Duration,
     pub(crate) limits: Option<ResourceLimits>,
     pub(crate) home_template: Option<PathBuf>,
+    /// With `network = "allowlist"`: what sessions may reach, and the forwarder that runs first
+    /// in their sandboxes.
+    pub(crate) egress: Option<Egress>,
+}
+
+/// The allowlist of `network = "allowlist"` and its in-sandbox helper.
+#[derive(Debug, Clone)]
+pub(crate) struct Egress {
+    pub(crate) plan: std::sync::Arc<EgressPlan>,
+    /// The `oab-egress-forward` program on the host.
+    pub(crate) forwarder: PathBuf,
 }
 
 /// Builds a [`LocalRuntime`].
@@ -83,6 +95,12 @@ impl LocalRuntimeBuilder {
     /// The sandbox mode.
     pub fn sandbox(mut self, sandbox: SandboxMode) -> Self {
         self.local.sandbox = sandbox;
+        self
+    }
+
+    /// With [`NetworkMode::Allowlist`]: the only destinations sessions may reach.
+    pub fn egress(mut self, targets: Vec<EgressTarget>) -> Self {
+        self.local.egress = targets;
         self
     }
 
@@ -217,6 +235,7 @@ impl LocalRuntimeBuilder {
                 ));
             }
         }
+        let egress = self.egress_settings()?;
         let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
         // Checked, not created: reading sessions must not write; `create` makes the root.
         crate::root::check(&root)?;
@@ -237,8 +256,60 @@ impl LocalRuntimeBuilder {
             terminate_grace: self.local.terminate_grace,
             limits: self.local.limits,
             home_template: self.local.home_template,
+            egress,
         };
         Ok(LocalRuntime::new(settings, sandbox))
+    }
+}
+
+impl LocalRuntimeBuilder {
+    /// The allowlist settings of `network = "allowlist"`, checked as the configuration file's
+    /// are (the builder's setters bypass those checks), with the forwarder found.
+    fn egress_settings(&self) -> Result<Option<Egress>> {
+        let invalid = |key: &str, reason: String| Error::InvalidConfig {
+            key: key.into(),
+            reason,
+        };
+        let network = self.local.network;
+        if !self.local.egress.is_empty() && network != NetworkMode::Allowlist {
+            return Err(invalid(
+                "session_runtime.local.egress",
+                format!(
+                    "egress lists the destinations of network = \"allowlist\", but network = \"{network}\""
+                ),
+            ));
+        }
+        if network != NetworkMode::Allowlist {
+            return Ok(None);
+        }
+        if self.local.sandbox == SandboxMode::None {
+            return Err(invalid(
+                "session_runtime.local.network",
+                "network = \"allowlist\" needs a sandbox, but sandbox = \"none\"; choose sandbox = \
+                 \"auto\" or \"bubblewrap\", or network = \"host\""
+                    .into(),
+            ));
+        }
+        let forwarder =
+            crate::sandbox::host::locate_helper(FORWARDER_NAME, FORWARDER_ENV).map_err(|why| {
+                invalid(
+                    "session_runtime.local.network",
+                    format!("network = \"allowlist\": {why}"),
+                )
+            })?;
+        if !crate::sandbox::host::is_executable(&forwarder) {
+            return Err(invalid(
+                "session_runtime.local.network",
+                format!(
+                    "network = \"allowlist\": the `{FORWARDER_NAME}` helper {} is not an executable file",
+                    forwarder.display()
+                ),
+            ));
+        }
+        Ok(Some(Egress {
+            plan: std::sync::Arc::new(EgressPlan::new(&self.local.egress)),
+            forwarder,
+        }))
     }
 }
 

@@ -108,6 +108,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         uid: Some(200_123),
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let identity = IdentityFiles::at(&dirs.base);
     let argv = bwrap_args(
@@ -210,6 +211,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         uid: None,
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
     let base = format!("/srv/s/{id}");
@@ -275,6 +277,7 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         uid: Some(200_001),
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let error = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect_err("not root");
     assert!(
@@ -314,6 +317,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             uid: None,
             join_cgroups: None,
             needs: &[],
+            egress: None,
         };
         let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
         let bind = vec![
@@ -339,6 +343,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             uid: None,
             join_cgroups: None,
             needs: &[],
+            egress: None,
         };
         let argv =
             bwrap_args(&debian_layout(false), NetworkMode::Host, &[skills()], &spec, None).expect("argv");
@@ -364,6 +369,7 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         uid: Some(200_500),
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let rules = landlock_rules_for(&debian_layout(true), &[skills()], &spec);
     for path in ["/usr", "/bin", "/etc", "/proc", "/opt/openab/skills"] {
@@ -746,6 +752,7 @@ async fn run(sandbox: &Sandbox, session: &Session, script: &str) -> Output {
         uid: session.uid,
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let paths = sandbox.worker_paths(&session.dirs);
     let mut command = sandbox.command(&spec).expect("command");
@@ -956,6 +963,7 @@ async fn bubblewrap_runs_an_agent_from_the_hosts_tmp() {
         uid: a.uid,
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command
@@ -1352,6 +1360,7 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         uid: a.uid,
         join_cgroups: None,
         needs: &[],
+        egress: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command

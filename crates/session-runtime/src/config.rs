@@ -15,7 +15,8 @@
 //! [session_runtime.local]
 //! root = "/var/lib/openab/sessions"
 //! sandbox = "auto"              # auto | bubblewrap | landlock | none; default auto
-//! network = "host"              # host | none; default host
+//! network = "host"              # host | none | allowlist; default host
+//! egress = ["api.example.com:443", "127.0.0.1:8080"]  # with network = "allowlist"
 //! readonly = ["/opt/openab/skills:/skills"]
 //! home_template = "/etc/openab/home"
 //! terminate_grace = "5s"        # default "5s"
@@ -63,8 +64,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result, RetentionPolicy};
 
+mod egress;
 mod values;
 
+pub use egress::EgressTarget;
 use values::{check_mount_path, quoted, serde_byte_size_option};
 pub use values::{parse_quantity, serde_duration};
 
@@ -286,6 +289,11 @@ pub struct LocalConfig {
     pub sandbox: SandboxMode,
     /// Whether sandboxed agents can reach the network. Default [`NetworkMode::Host`].
     pub network: NetworkMode,
+    /// With `network = "allowlist"`: the only destinations the session may reach, each
+    /// `"HOST:PORT"` ([`EgressTarget`]). Default empty (with `allowlist`: nothing outside the
+    /// session). Not allowed with another network mode.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<EgressTarget>,
     /// Host paths made visible read-only inside every sandbox, each written
     /// `"HOST_PATH:SANDBOX_PATH"` with two absolute paths (e.g. `"/opt/openab/skills:/skills"`).
     /// Default empty. Needs a sandbox: not allowed with `sandbox = "none"`.
@@ -312,6 +320,7 @@ impl Default for LocalConfig {
             root: None,
             sandbox: SandboxMode::default(),
             network: NetworkMode::default(),
+            egress: Vec::new(),
             readonly: Vec::new(),
             home_template: None,
             limits: None,
@@ -365,12 +374,33 @@ impl LocalConfig {
                 ));
             }
         }
+        if !self.egress.is_empty() && self.network != NetworkMode::Allowlist {
+            return Err(invalid(
+                "local.egress",
+                format!(
+                    "egress lists the destinations of network = \"allowlist\", but network = \"{}\"; \
+                     set network = \"allowlist\" or remove egress",
+                    self.network
+                ),
+            ));
+        }
+        for (index, target) in self.egress.iter().enumerate() {
+            if let Some(earlier) = self.egress[..index].iter().position(|t| t == target) {
+                return Err(invalid(
+                    "local.egress",
+                    format!("entries {} and {} are both {target}", earlier + 1, index + 1),
+                ));
+            }
+        }
         if self.sandbox == SandboxMode::None {
-            if self.network == NetworkMode::None {
+            if self.network != NetworkMode::Host {
                 return Err(invalid(
                     "local.network",
-                    "network = \"none\" needs a sandbox, but sandbox = \"none\"; \
-                     choose sandbox = \"auto\" or \"bubblewrap\", or network = \"host\"",
+                    format!(
+                        "network = \"{}\" needs a sandbox, but sandbox = \"none\"; \
+                         choose sandbox = \"auto\" or \"bubblewrap\", or network = \"host\"",
+                        self.network
+                    ),
                 ));
             }
             if !self.readonly.is_empty() {
@@ -435,14 +465,21 @@ pub enum NetworkMode {
     Host,
     /// A private network namespace with no interfaces but loopback: `"none"`. Needs a sandbox.
     None,
+    /// A private network namespace whose only way out is a proxy the runtime runs for the
+    /// session, admitting only the destinations of `egress`: `"allowlist"`. Needs a sandbox.
+    /// The agent gets `HTTPS_PROXY`/`HTTP_PROXY` (HTTP CONNECT, and plain HTTP requests, to a
+    /// listed name or address) and `NO_PROXY` for loopback, where each listed loopback port is
+    /// forwarded to the same port of the host.
+    Allowlist,
 }
 
 impl NetworkMode {
-    /// The configuration spelling: `"host"` or `"none"`.
+    /// The configuration spelling: `"host"`, `"none"` or `"allowlist"`.
     pub fn as_str(&self) -> &'static str {
         match self {
             NetworkMode::Host => "host",
             NetworkMode::None => "none",
+            NetworkMode::Allowlist => "allowlist",
         }
     }
 }

@@ -700,3 +700,76 @@ fn limits_the_kernel_cannot_represent_are_refused() {
         }
     }
 }
+
+#[test]
+fn allowlist_network_takes_egress_destinations() {
+    let config = SessionRuntimeConfig::from_toml_section(
+        "[local]\nnetwork = \"allowlist\"\negress = [\"API.Example.com.:443\", \"127.0.0.1:8080\", \"[::1]:9000\", \"localhost:81\"]",
+    )
+    .unwrap();
+    assert_eq!(config.local.network, NetworkMode::Allowlist);
+    assert_eq!(NetworkMode::Allowlist.as_str(), "allowlist");
+    let egress = &config.local.egress;
+    assert_eq!(egress.len(), 4);
+    assert_eq!(egress[0].to_string(), "api.example.com:443");
+    assert!(!egress[0].is_loopback());
+    assert!(egress[0].matches("api.EXAMPLE.com.", 443));
+    assert!(!egress[0].matches("api.example.com", 80));
+    assert!(!egress[0].matches("evil-api.example.com", 443));
+    assert!(egress[1].is_loopback());
+    assert!(egress[1].matches("127.0.0.1", 8080));
+    assert!(!egress[1].matches("localhost", 8080), "a name is not an address");
+    assert_eq!(egress[2].to_string(), "[::1]:9000");
+    assert!(egress[2].matches("[::1]", 9000));
+    assert!(egress[3].is_loopback());
+    assert_eq!(egress[3].loopback_ip(), Some("127.0.0.1".parse().unwrap()));
+    // It reads back what it writes.
+    let written = toml::to_string(&config).unwrap();
+    assert!(written.contains("\"[::1]:9000\""), "{written}");
+}
+
+#[test]
+fn bad_egress_entries_name_the_key() {
+    for (bad, says) in [
+        ("api.example.com", "no `:PORT`"),
+        ("api.example.com:0", "port"),
+        ("api.example.com:70000", "port"),
+        ("api.example.com:https", "port"),
+        ("*.example.com:443", "wildcards"),
+        ("exa mple.com:443", "DNS label"),
+        ("::1:443", "brackets"),
+        ("[::g]:443", "IPv6"),
+        ("300.1.1.1:443", "IPv4"),
+        (":443", "empty"),
+    ] {
+        let reason = section_error(
+            &format!("[local]\nnetwork = \"allowlist\"\negress = [{bad:?}]"),
+            "session_runtime.local.egress",
+        );
+        assert!(reason.contains(says), "{bad}: {reason}");
+    }
+    assert!(session_runtime::config::EgressTarget::parse("x").is_err());
+}
+
+#[test]
+fn egress_needs_the_allowlist_mode_and_a_sandbox() {
+    let reason = section_error(
+        "[local]\negress = [\"api.example.com:443\"]",
+        "session_runtime.local.egress",
+    );
+    assert!(reason.contains("network = \"allowlist\""), "{reason}");
+    section_error(
+        "[local]\nnetwork = \"none\"\negress = [\"api.example.com:443\"]",
+        "session_runtime.local.egress",
+    );
+    let reason = section_error(
+        "[local]\nsandbox = \"none\"\nnetwork = \"allowlist\"",
+        "session_runtime.local.network",
+    );
+    assert!(reason.contains("needs a sandbox"), "{reason}");
+    let reason = section_error(
+        "[local]\nnetwork = \"allowlist\"\negress = [\"a.example:1\", \"A.example:1\"]",
+        "session_runtime.local.egress",
+    );
+    assert!(reason.contains("entries 1 and 2"), "{reason}");
+}

@@ -22,7 +22,7 @@ pub(crate) const SANDBOX_HOSTNAME: &str = "openab";
 
 /// The paths a bubblewrap sandbox creates itself besides the system directories; a read-only
 /// input may not cover them.
-const OWN_PATHS: [&str; 8] = [
+const OWN_PATHS: [&str; 10] = [
     "/proc",
     "/dev",
     "/home",
@@ -31,6 +31,8 @@ const OWN_PATHS: [&str; 8] = [
     SANDBOX_TMP,
     SANDBOX_STATE,
     HOST_PROGRAMS,
+    SANDBOX_FORWARDER,
+    SANDBOX_EGRESS_SOCKETS,
 ];
 
 /// The namespace and lifetime options, shared by the sandbox and its probe.
@@ -42,11 +44,16 @@ fn isolation_args(network: NetworkMode) -> Vec<&'static str> {
         "--unshare-ipc",
         "--unshare-uts",
     ];
-    if network == NetworkMode::None {
+    if network != NetworkMode::Host {
         args.push("--unshare-net");
     }
     args
 }
+
+/// Where a bubblewrap sandbox shows the `oab-egress-forward` helper.
+pub(crate) const SANDBOX_FORWARDER: &str = "/run/openab/egress-forward";
+/// Where a bubblewrap sandbox shows the directory of the session's proxy sockets.
+pub(crate) const SANDBOX_EGRESS_SOCKETS: &str = "/run/openab/egress";
 
 /// `setpriv`'s options that switch to `uid` and drop every privilege; the program follows.
 fn setpriv_args(uid: u32) -> Vec<String> {
@@ -93,7 +100,7 @@ pub(super) fn find_working(
                 .to_owned(),
         );
     }
-    let key = (bwrap.clone(), network == NetworkMode::None);
+    let key = (bwrap.clone(), network != NetworkMode::Host);
     let probes = PROBES.get_or_init(Mutex::default);
     if let Some(result) = probes.lock().get(&key) {
         return result.clone().map(|()| bwrap);
@@ -391,6 +398,15 @@ pub(crate) fn bwrap_args(
             }
         };
     }
+    if let Some(egress) = spec.egress {
+        traversable_parents(&mut args, Path::new(SANDBOX_EGRESS_SOCKETS));
+        args.push("--ro-bind")
+            .push(&egress.forwarder)
+            .push(SANDBOX_FORWARDER);
+        args.push("--ro-bind")
+            .push(&egress.socket_dir)
+            .push(SANDBOX_EGRESS_SOCKETS);
+    }
     args.push("--chdir").push(SANDBOX_WORKSPACE);
     args.push("--");
     if let Some((setpriv, uid)) = setpriv {
@@ -398,6 +414,17 @@ pub(crate) fn bwrap_args(
         for arg in setpriv_args(uid) {
             args.push(arg);
         }
+    }
+    if let Some(egress) = spec.egress {
+        // The forwarder runs as the agent's user, then executes the agent in its place.
+        args.push(SANDBOX_FORWARDER);
+        for (address, socket) in &egress.listens {
+            args.push("--listen").push(format!(
+                "{address}={}",
+                Path::new(SANDBOX_EGRESS_SOCKETS).join(socket).display()
+            ));
+        }
+        args.push("--");
     }
     args.push(program);
     for arg in spec.args {

@@ -39,6 +39,36 @@ impl SystemEntry {
     }
 }
 
+/// Where a helper program of this crate is: `$env` if set, else next to the current executable
+/// (or one directory up, for test binaries in `target/<profile>/deps`), else on `PATH`.
+///
+/// # Errors
+///
+/// Why it was not found, and how to install it.
+pub(crate) fn locate_helper(name: &str, env: &str) -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os(env) {
+        return Ok(PathBuf::from(path));
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .map(|dir| {
+            let up = dir.parent().map(|up| up.join(name));
+            std::iter::once(dir.join(name)).chain(up).collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    beside
+        .into_iter()
+        .find(|candidate| is_executable(candidate))
+        .or_else(|| find_program(name, &[]))
+        .ok_or_else(|| {
+            format!(
+                "the `{name}` helper was not found next to the broker's executable, on PATH, or in \
+                 ${env} (build it: `cargo build --release -p runtime-local --bin {name}`)"
+            )
+        })
+}
+
 /// The parts of the host a sandbox is built from. Detected once by [`HostLayout::detect`]; tests
 /// build one by hand so that command lines are deterministic.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -31,35 +31,12 @@ const DEVICES: [&str; 5] = [
 /// Results of helper probes, per path: run once per process.
 static PROBES: OnceLock<Mutex<HashMap<PathBuf, Result<(), String>>>> = OnceLock::new();
 
-/// Where the helper is: `explicit`, else `$OAB_LANDLOCK_EXEC`, else next to the current
-/// executable (or one directory up, for test binaries in `target/<profile>/deps`), else on `PATH`.
+/// Where the helper is: `explicit`, else as [`host::locate_helper`] finds it.
 fn locate(explicit: Option<&Path>) -> Result<PathBuf, String> {
     if let Some(path) = explicit {
         return Ok(path.to_path_buf());
     }
-    if let Some(path) = std::env::var_os(HELPER_ENV) {
-        return Ok(PathBuf::from(path));
-    }
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent().map(Path::to_path_buf))
-        .map(|dir| {
-            let up = dir.parent().map(|up| up.join(HELPER_NAME));
-            std::iter::once(dir.join(HELPER_NAME))
-                .chain(up)
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    beside
-        .into_iter()
-        .find(|candidate| host::is_executable(candidate))
-        .or_else(|| host::find_program(HELPER_NAME, &[]))
-        .ok_or_else(|| {
-            format!(
-                "the `{HELPER_NAME}` helper was not found next to the broker's executable, on PATH, or in \
-                 ${HELPER_ENV} (install it: `cargo install --path crates/runtime-local --bin {HELPER_NAME}`)"
-            )
-        })
+    host::locate_helper(HELPER_NAME, HELPER_ENV)
 }
 
 /// A helper that works here: found, and able to restrict itself (so the kernel enforces Landlock).

@@ -21,7 +21,8 @@
 //! user, as upstream OpenAB runs it. Nothing is isolated, and [`Sandbox::isolation`] says so.
 //!
 //! **Bubblewrap**: the agent runs under `bwrap` in new pid, ipc and uts namespaces (and a new,
-//! empty network namespace with `network = "none"`), in a new terminal session, killed when the
+//! empty network namespace with `network = "none"`; with `"allowlist"` too, where the
+//! `oab-egress-forward` helper of [`EgressLaunch`] starts first and executes the agent), in a new terminal session, killed when the
 //! broker dies. Its root is an empty tmpfs holding only: the system directories read-only
 //! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
 //! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
@@ -47,7 +48,8 @@
 //! its sandbox. It sees host paths ([`Sandbox::worker_paths`]); `TMPDIR` must point at the
 //! session's tmp. Landlock does not stop `stat` on a known path, so existence is hidden only by a
 //! distinct uid per session plus private directories ([`Sandbox::prepare_storage`]). It cannot
-//! provide `network = "none"` (it filters TCP but not UDP), so that combination is refused. The
+//! provide `network = "none"` (it filters TCP but not UDP) nor `network = "allowlist"` (no network
+//! namespace of its own), so those combinations are refused. The
 //! helper is looked for in `OAB_LANDLOCK_EXEC`, then next to the broker's executable (and one
 //! directory up, for test binaries in `target/*/deps`), then on `PATH`.
 //!
@@ -178,6 +180,23 @@ pub(crate) struct LaunchSpec<'a> {
     /// What of the host the program needs ([`needs::resolve`], checked by
     /// [`Sandbox::check_needs`]): shown read-only at the same paths.
     pub(crate) needs: &'a [needs::Needed],
+    /// With `network = "allowlist"`: the session's way out of its network namespace.
+    pub(crate) egress: Option<&'a EgressLaunch>,
+}
+
+/// How a session of `network = "allowlist"` reaches its proxy: the `oab-egress-forward` helper
+/// runs first inside the sandbox, listens on loopback addresses of the session's own network
+/// namespace, and forwards each connection to a Unix socket of the session's proxy, bound into
+/// the sandbox with their directory; then it executes the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EgressLaunch {
+    /// The `oab-egress-forward` program on the host.
+    pub(crate) forwarder: PathBuf,
+    /// The host directory that holds the session's proxy sockets.
+    pub(crate) socket_dir: PathBuf,
+    /// Each address listened on inside the sandbox, and the file name, in `socket_dir`, of the
+    /// socket it forwards to.
+    pub(crate) listens: Vec<(std::net::SocketAddr, String)>,
 }
 
 /// Overrides for [`Sandbox::detect_with`]; the defaults find everything on the host.
@@ -226,7 +245,8 @@ impl Sandbox {
     /// install bubblewrap or that `sandbox = "none"` accepts no isolation; with key
     /// `session_runtime.local.readonly` for a read-only input whose host path is missing or whose
     /// sandbox path would cover the sandbox's own directories; with key
-    /// `session_runtime.local.network` for `network = "none"` with Landlock (it cannot block UDP).
+    /// `session_runtime.local.network` for `network = "none"` with Landlock (it cannot block UDP)
+    /// and for `network = "allowlist"` with Landlock (it has no network namespace to confine).
     pub(crate) fn detect(
         mode: SandboxMode,
         network: NetworkMode,
@@ -302,6 +322,18 @@ impl Sandbox {
             Backend::Plain => {}
             Backend::Bubblewrap { .. } => bwrap::check_mounts(&layout, readonly)?,
             Backend::Landlock { .. } => {
+                if network == NetworkMode::Allowlist {
+                    return Err(invalid(
+                        NETWORK_KEY,
+                        format!(
+                            "network = \"allowlist\" needs bubblewrap, which does not work here: it gives \
+                             each session a network namespace of its own whose only way out is the session's \
+                             proxy; landlock has no namespaces and only filters TCP ports, not destinations \
+                             or UDP, so it cannot confine egress to a list; {INSTALL_BUBBLEWRAP}, or choose \
+                             network = \"host\""
+                        ),
+                    ));
+                }
                 if network == NetworkMode::None {
                     return Err(invalid(
                         NETWORK_KEY,

@@ -54,3 +54,15 @@ pub fn use_built_landlock_helper() {
         std::env::set_var("OAB_LANDLOCK_EXEC", helper);
     }
 }
+
+/// Names the `oab-egress-forward` helper that Cargo built for these tests, unless the runtime
+/// finds it beside the test binary's directory by itself.
+pub fn use_built_egress_forwarder() {
+    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_oab-egress-forward"));
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("oab-egress-forward")));
+    if beside.as_deref() != Some(helper) {
+        std::env::set_var("OAB_EGRESS_FORWARD", helper);
+    }
+}

@@ -1,0 +1,229 @@
+//! `network = "allowlist"`: the proxy a session's only way out of its network namespace leads to.
+//!
+//! A session of this mode runs in a network namespace of its own (bubblewrap `--unshare-net`),
+//! which has nothing but loopback. Inside it, the `oab-egress-forward` helper listens on
+//! loopback and forwards each connection to a Unix socket in the session's directory
+//! ([`SessionDirs::egress`](crate::layout::SessionDirs::egress)), bound into the sandbox. Behind
+//! the sockets, this module runs, per worker:
+//!
+//! - the **HTTP proxy** (at `127.0.0.1:3128` inside, or the next port no forward takes; named by the agent's `HTTPS_PROXY` and
+//!   `HTTP_PROXY`): `CONNECT host:port` and plain `GET http://host:port/...` requests to a listed
+//!   destination are connected; anything else is answered `403` and logged with the session id;
+//! - one **forward** per listed loopback destination: `127.0.0.1:8080` inside the session is
+//!   `127.0.0.1:8080` of the host, and only the listed ports are (any other loopback port inside
+//!   is the session's own, empty loopback).
+//!
+//! The sockets of one session are reachable only from its own sandbox (the session's directory
+//! is private to the broker and the session's user), so one session's allowlist opens nothing
+//! for another. The proxy ends with its worker ([`EgressProxy`] is dropped).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use session_runtime::config::EgressTarget;
+use session_runtime::{Error, SessionId};
+use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::sandbox::EgressLaunch;
+
+mod http;
+
+/// The first port tried for the proxy inside a session (the conventional proxy port); the
+/// next free one is used if a loopback forward takes it.
+const FIRST_PROXY_PORT: u16 = 3128;
+/// The proxy's socket file in the session's egress directory.
+const PROXY_SOCKET: &str = "proxy.sock";
+/// What `NO_PROXY` says: loopback is reached directly (the forwards listen there).
+const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
+/// The `oab-egress-forward` helper's file name.
+pub(crate) const FORWARDER_NAME: &str = "oab-egress-forward";
+/// The environment variable that names the helper explicitly.
+pub(crate) const FORWARDER_ENV: &str = "OAB_EGRESS_FORWARD";
+
+/// What a session of `network = "allowlist"` may reach, and where it finds it inside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EgressPlan {
+    /// The configured destinations.
+    targets: Vec<EgressTarget>,
+    /// Where the HTTP proxy listens inside the session.
+    proxy: SocketAddr,
+    /// The listed loopback destinations: each is the same address inside and on the host.
+    forwards: Vec<SocketAddr>,
+}
+
+impl EgressPlan {
+    /// The plan for `targets` (checked by the configuration: no duplicates, valid ports).
+    pub(crate) fn new(targets: &[EgressTarget]) -> Self {
+        let mut forwards: Vec<SocketAddr> = Vec::new();
+        for target in targets {
+            if let Some(ip) = target.loopback_ip() {
+                let address = SocketAddr::new(ip, target.port());
+                if !forwards.contains(&address) {
+                    forwards.push(address);
+                }
+            }
+        }
+        let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let port = (FIRST_PROXY_PORT..=u16::MAX)
+            .find(|port| !forwards.contains(&SocketAddr::new(localhost, *port)))
+            .unwrap_or(FIRST_PROXY_PORT);
+        EgressPlan {
+            targets: targets.to_vec(),
+            proxy: SocketAddr::new(localhost, port),
+            forwards,
+        }
+    }
+
+    /// Whether `host:port`, as a client of the proxy names it, is a listed destination.
+    pub(crate) fn allows(&self, host: &str, port: u16) -> bool {
+        self.targets.iter().any(|target| target.matches(host, port))
+    }
+
+    /// The variables the agent gets: `HTTPS_PROXY`, `HTTP_PROXY` (and their lower-case forms,
+    /// which some clients read instead) naming the proxy, and `NO_PROXY` for loopback.
+    pub(crate) fn environment(&self) -> Vec<(String, String)> {
+        let proxy = format!("http://{}", self.proxy);
+        let mut env = Vec::new();
+        for name in ["HTTPS_PROXY", "HTTP_PROXY"] {
+            env.push((name.to_owned(), proxy.clone()));
+            env.push((name.to_ascii_lowercase(), proxy.clone()));
+        }
+        env.push(("NO_PROXY".to_owned(), NO_PROXY.to_owned()));
+        env.push(("no_proxy".to_owned(), NO_PROXY.to_owned()));
+        env
+    }
+
+    /// How the sandbox starts the forwarder at `forwarder` for a session whose proxy sockets are
+    /// in `socket_dir`.
+    pub(crate) fn launch(&self, forwarder: &Path, socket_dir: &Path) -> EgressLaunch {
+        let mut listens = vec![(self.proxy, PROXY_SOCKET.to_owned())];
+        listens.extend(
+            self.forwards
+                .iter()
+                .enumerate()
+                .map(|(index, address)| (*address, forward_socket(index))),
+        );
+        EgressLaunch {
+            forwarder: forwarder.to_path_buf(),
+            socket_dir: socket_dir.to_path_buf(),
+            listens,
+        }
+    }
+}
+
+/// The socket file of the `index`th loopback forward.
+fn forward_socket(index: usize) -> String {
+    format!("fwd-{index}.sock")
+}
+
+/// The proxy of one worker: its sockets listen until it is dropped, which stops every
+/// connection through it and removes the sockets.
+#[derive(Debug)]
+pub(crate) struct EgressProxy {
+    stop: CancellationToken,
+    sockets: Vec<PathBuf>,
+}
+
+impl Drop for EgressProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        for socket in &self.sockets {
+            let _ = std::fs::remove_file(socket);
+        }
+    }
+}
+
+impl EgressProxy {
+    /// Listens on the sockets of `plan` in `socket_dir` (created if needed) for session `id`,
+    /// whose agent runs as `uid` (the sockets are made its own) or as the broker's user. Must
+    /// be called within a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if the directory or a socket cannot be made (e.g. a path longer than
+    /// a Unix socket address allows: choose a shorter `root`).
+    pub(crate) fn start(
+        id: SessionId,
+        plan: &Arc<EgressPlan>,
+        socket_dir: &Path,
+        uid: Option<u32>,
+    ) -> Result<Self, Error> {
+        let failed = |what: String, e: std::io::Error| crate::backend_error(false, what, e);
+        std::fs::create_dir_all(socket_dir)
+            .map_err(|e| failed(format!("creating {}", socket_dir.display()), e))?;
+        // Passable (not listable) for the session's user, whose sandbox binds it.
+        std::fs::set_permissions(socket_dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| failed(format!("securing {}", socket_dir.display()), e))?;
+        let mut proxy = EgressProxy {
+            stop: CancellationToken::new(),
+            sockets: Vec::new(),
+        };
+        let bind = |proxy: &mut EgressProxy, name: &str| -> Result<UnixListener, Error> {
+            let path = socket_dir.join(name);
+            // A socket left by an earlier worker of the session.
+            let _ = std::fs::remove_file(&path);
+            let listener = UnixListener::bind(&path)
+                .map_err(|e| failed(format!("listening on {}", path.display()), e))?;
+            proxy.sockets.push(path.clone());
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| failed(format!("securing {}", path.display()), e))?;
+            if let Some(uid) = uid {
+                std::os::unix::fs::chown(&path, Some(uid), Some(uid))
+                    .map_err(|e| failed(format!("handing {} to uid {uid}", path.display()), e))?;
+            }
+            Ok(listener)
+        };
+        let listener = bind(&mut proxy, PROXY_SOCKET)?;
+        tokio::spawn(serve(listener, proxy.stop.clone(), {
+            let plan = Arc::clone(plan);
+            move |stream| http::serve_connection(id, Arc::clone(&plan), stream)
+        }));
+        for (index, address) in plan.forwards.iter().enumerate() {
+            let listener = bind(&mut proxy, &forward_socket(index))?;
+            let address = *address;
+            tokio::spawn(serve(listener, proxy.stop.clone(), move |stream| {
+                forward(id, address, stream)
+            }));
+        }
+        Ok(proxy)
+    }
+}
+
+/// Accepts connections on `listener` until `stop`, handling each with `handle` until `stop`.
+async fn serve<F, Fut>(listener: UnixListener, stop: CancellationToken, handle: F)
+where
+    F: Fn(UnixStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let stop = stop.clone();
+        let connection = handle(stream);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = connection => {}
+            }
+        });
+    }
+}
+
+/// Joins a connection of the session's to the listed loopback destination `address` on the host.
+async fn forward(id: SessionId, address: SocketAddr, mut inside: UnixStream) {
+    match TcpStream::connect(address).await {
+        Ok(mut outside) => {
+            let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
+        }
+        Err(error) => {
+            tracing::info!(session = %id, destination = %address, "egress forward could not connect: {error}");
+        }
+    }
+}
