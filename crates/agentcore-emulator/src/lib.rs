@@ -100,6 +100,15 @@
 //! is the request log ([`RequestRecord`]: operation, session id, qualifier, the SDK's
 //! `amz-sdk-request` attempt header, status), e.g. to assert that a stream was not retried.
 //!
+//! # Its tests
+//!
+//! `cargo test -p agentcore-emulator` runs them against `examples/test_worker.rs` (a stand-in
+//! for the relay that streams SSE, writes and reads files in its storage, reports busy, and
+//! echoes on `/ws`), sandboxed like the default launcher sandboxes (bubblewrap where it works).
+//! The end-to-end test with the real relay and the ACP test agent needs them built first:
+//! `cargo build -p worker-relay --bin oab-relay -p acp-test-agent`, then
+//! `cargo test -p agentcore-emulator --test relay -- --ignored`.
+//!
 //! # What it does not emulate
 //!
 //! - IAM: any request signed with the test credentials may do anything (`AccessDenied` only as
