@@ -662,6 +662,7 @@ impl SessionRuntime for AgentCoreRuntime {
             .with_persistent_storage(self.inner.config.session_storage)
             .with_survives_broker_restart(true)
             .with_max_lifetime(Some(self.inner.config.max_lifetime))
+            .with_platform_idle_timeout(Some(self.inner.config.idle_timeout))
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {

@@ -376,6 +376,10 @@ pub struct Capabilities {
     pub replay_on_reattach: bool,
     /// The longest a worker may live before the platform ends it, if bounded.
     pub max_lifetime: Option<Duration>,
+    /// How long the platform lets a worker sit without traffic before it ends it, if it does
+    /// (AgentCore's idle timeout). Independent of the runtime's own `idle_ttl`, which suspends
+    /// through the lifecycle; the next attach starts a new worker either way.
+    pub platform_idle_timeout: Option<Duration>,
 }
 
 impl Capabilities {
@@ -388,6 +392,7 @@ impl Capabilities {
             survives_broker_restart: false,
             replay_on_reattach: false,
             max_lifetime: None,
+            platform_idle_timeout: None,
         }
     }
 
@@ -412,6 +417,12 @@ impl Capabilities {
     /// Declares replay on re-attach.
     pub const fn with_replay_on_reattach(mut self, yes: bool) -> Self {
         self.replay_on_reattach = yes;
+        self
+    }
+
+    /// Declares the platform's idle timeout.
+    pub const fn with_platform_idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.platform_idle_timeout = timeout;
         self
     }
 
