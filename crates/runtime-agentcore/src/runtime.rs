@@ -485,7 +485,11 @@ impl AgentCoreRuntime {
             return Ok(());
         }
         self.stop_compute(id, record.incarnation).await?;
-        let generation = record.generation;
+        self.mark_released(id, record.generation).await
+    }
+
+    /// Records that no microVM runs `generation` of the session any more.
+    async fn mark_released(&self, id: &SessionId, generation: Generation) -> Result<()> {
         self.update(id, |current| {
             if current.generation != generation || current.compute_released {
                 return Ok(None);
@@ -613,6 +617,11 @@ fn reincarnate(closed: SessionRecord, at: SystemTime) -> SessionRecord {
         });
     }
     next
+}
+
+/// How long the session has gone without an attach, a renewal or a lifecycle change.
+fn idle_for(record: &SessionRecord, at: SystemTime) -> Duration {
+    at.duration_since(record.last_activity).unwrap_or_default()
 }
 
 fn renew_every(idle_ttl: Option<Duration>) -> Duration {
@@ -744,10 +753,15 @@ impl AgentCoreRuntime {
             }
             SessionState::Suspended if !record.compute_released => {
                 self.retire_live(id, record.generation, Duration::ZERO).await;
-                self.release_compute(id, &record, true).await?;
-                report
-                    .killed_workers
-                    .push((*id, self.rsid(id, record.incarnation).to_string()));
+                if self.inner.config.stop_on_suspend {
+                    self.release_compute(id, &record, true).await?;
+                    report
+                        .killed_workers
+                        .push((*id, self.rsid(id, record.incarnation).to_string()));
+                } else if idle_for(&record, at) >= self.inner.config.idle_timeout {
+                    // Left to idle out, and AgentCore has reaped it by now: nothing to call.
+                    self.mark_released(id, record.generation).await?;
+                }
             }
             SessionState::Running => {
                 let live = self
@@ -756,8 +770,12 @@ impl AgentCoreRuntime {
                     .lock()
                     .get(id)
                     .is_some_and(|l| l.control.is_alive());
-                let idle_for = at.duration_since(record.last_activity).unwrap_or_default();
-                if !live && self.inner.idle_ttl.is_some_and(|ttl| idle_for >= ttl) {
+                if !live
+                    && self
+                        .inner
+                        .idle_ttl
+                        .is_some_and(|ttl| idle_for(&record, at) >= ttl)
+                {
                     self.suspend_locked(id, SuspendReason::Idle).await?;
                     report.suspended_idle.push(*id);
                 }

@@ -197,3 +197,41 @@ async fn cancel_reaches_the_agent_in_band_and_never_stops_the_microvm() {
     assert!(harness.emulator.is_running(&harness.runtime_session(&id, 1)));
     harness.emulator.shutdown().await.expect("stop");
 }
+
+/// With `stop_on_suspend = false` a suspend stops the agent but leaves the microVM to idle out:
+/// no `StopRuntimeSession`, not from `reconcile` either, and the next attach reuses the warm
+/// microVM with a new generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detach_only_suspend_leaves_the_microvm_to_idle_out() {
+    use session_runtime::SuspendReason;
+    let harness = common::start_with(|mut setup| {
+        setup.config.stop_on_suspend = false;
+        setup
+    })
+    .await;
+    let identity = common::identity("detach");
+    let id = within("create", harness.runtime.create(&identity, &CreateOptions::new()))
+        .await
+        .expect("create")
+        .id;
+    let attachment = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("attach");
+    let control = attachment.control();
+    within("suspend", harness.runtime.suspend(&id, SuspendReason::Idle))
+        .await
+        .expect("suspend");
+    assert!(!control.is_alive(), "the agent was stopped");
+    let rsid = harness.runtime_session(&id, 1);
+    assert!(harness.emulator.is_running(&rsid), "the microVM idles on");
+    let report = within("reconcile", harness.runtime.reconcile())
+        .await
+        .expect("reconcile");
+    assert!(report.killed_workers.is_empty(), "{report:?}");
+    assert_eq!(stops(&harness), 0, "nothing stopped the microVM");
+    let resumed = within("attach", harness.runtime.attach(&id))
+        .await
+        .expect("resume");
+    assert!(resumed.control().generation() > control.generation());
+    harness.emulator.shutdown().await.expect("stop");
+}
