@@ -8,7 +8,7 @@
 //!
 //! | feature | default | backend |
 //! |---|---|---|
-//! | `local` | yes | `runtime-local`: child processes, plain or sandboxed |
+//! | `local` | yes | `runtime-shared` (`storage = "shared"`, upstream's behaviour, every platform) and `runtime-local` (`storage = "per-session"`: plain or sandboxed, Linux) |
 //! | `kubernetes` | no | `runtime-kubernetes`: one Pod and volume per session |
 //! | `agentcore` | no | `runtime-agentcore`: one AgentCore microVM per session |
 //!
@@ -57,9 +57,18 @@ pub use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 #[cfg(feature = "agentcore")]
 pub use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
 
+#[cfg(feature = "local")]
+pub use runtime_shared::{AgentStderr, SharedRuntime, SharedRuntimeBuilder};
+
+#[cfg(feature = "local")]
+use session_runtime::config::StorageMode;
 use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 
 /// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
+///
+/// `type = "local"` (the default) with `local.storage = "shared"` (the default) is
+/// [`SharedRuntime`]: upstream OpenAB's own behaviour, isolating nothing. With
+/// `storage = "per-session"` it is `LocalRuntime`.
 ///
 /// The Kubernetes runtime runs its cluster-owned profile's agent instead of `agent`, and finds
 /// its API server on first use (`KUBECONFIG`, `~/.kube/config`, or the Pod's service account).
@@ -82,6 +91,10 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
         });
     }
     match kind {
+        #[cfg(feature = "local")]
+        RuntimeKind::Local if config.local.storage == StorageMode::Shared => Ok(Arc::new(
+            runtime_shared::SharedRuntimeBuilder::from_config(config, agent.clone()).build()?,
+        )),
         #[cfg(feature = "local")]
         RuntimeKind::Local => Ok(Arc::new(
             runtime_local::LocalRuntimeBuilder::from_config(config, agent.clone()).build()?,
