@@ -45,10 +45,12 @@
 use std::sync::Arc;
 
 pub mod compat;
+#[cfg(feature = "local")]
+mod linux;
 
 pub use session_runtime::*;
 
-#[cfg(feature = "local")]
+#[cfg(all(feature = "local", target_os = "linux"))]
 pub use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
 
 #[cfg(feature = "kubernetes")]
@@ -76,6 +78,8 @@ use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 /// AWS credentials from the standard provider chain on first use.
 ///
 /// # Errors
+/// - [`Error::Unsupported`] for `local.storage = "per-session"` on a platform other than Linux:
+///   per-session storage and the sandboxes exist only there.
 /// - [`Error::InvalidConfig`] naming `session_runtime.type` if the selected backend's cargo
 ///   feature is not compiled into this build, or the backend is not available yet in this version.
 /// - Whatever the backend's own validation reports, as [`Error::InvalidConfig`] naming the key.
@@ -96,9 +100,7 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
             runtime_shared::SharedRuntimeBuilder::from_config(config, agent.clone()).build()?,
         )),
         #[cfg(feature = "local")]
-        RuntimeKind::Local => Ok(Arc::new(
-            runtime_local::LocalRuntimeBuilder::from_config(config, agent.clone()).build()?,
-        )),
+        RuntimeKind::Local => linux::per_session_runtime(config, agent),
         // The agent a worker runs is the cluster-owned profile's, never the broker's `[agent]`.
         #[cfg(feature = "kubernetes")]
         RuntimeKind::Kubernetes => Ok(Arc::new(

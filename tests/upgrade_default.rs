@@ -49,3 +49,16 @@ fn an_old_configuration_that_expected_a_sandbox_is_refused_by_key() {
         Ok(runtime) => panic!("built {}", runtime.name()),
     }
 }
+
+#[cfg(not(target_os = "linux"))]
+#[test]
+fn per_session_storage_is_unsupported_off_linux() {
+    match built("[session_runtime.local]\nstorage = \"per-session\"\n") {
+        Err(Error::Unsupported { runtime, operation }) => {
+            assert_eq!(runtime, "local");
+            assert!(operation.contains("need Linux"), "{operation}");
+        }
+        Err(other) => panic!("{other:?}"),
+        Ok(runtime) => panic!("built {}", runtime.name()),
+    }
+}
