@@ -8,7 +8,7 @@
 //!
 //! | feature | default | backend |
 //! |---|---|---|
-//! | `local` | yes | `runtime-local`: child processes, plain or sandboxed |
+//! | `local` | yes | `runtime-shared` (`storage = "shared"`, upstream's behaviour, every platform) and `runtime-local` (`storage = "per-session"`: plain or sandboxed, Linux) |
 //! | `kubernetes` | no | `runtime-kubernetes`: one Pod and volume per session |
 //! | `agentcore` | no | `runtime-agentcore`: one AgentCore microVM per session |
 //!
@@ -45,10 +45,12 @@
 use std::sync::Arc;
 
 pub mod compat;
+#[cfg(feature = "local")]
+mod linux;
 
 pub use session_runtime::*;
 
-#[cfg(feature = "local")]
+#[cfg(all(feature = "local", target_os = "linux"))]
 pub use runtime_local::{LocalRuntime, LocalRuntimeBuilder};
 
 #[cfg(feature = "kubernetes")]
@@ -57,9 +59,18 @@ pub use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 #[cfg(feature = "agentcore")]
 pub use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
 
+#[cfg(feature = "local")]
+pub use runtime_shared::{AgentStderr, SharedRuntime, SharedRuntimeBuilder};
+
+#[cfg(feature = "local")]
+use session_runtime::config::StorageMode;
 use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 
 /// Builds the runtime the `[session_runtime]` section selects, running `agent` in each session.
+///
+/// `type = "local"` (the default) with `local.storage = "shared"` (the default) is
+/// [`SharedRuntime`]: upstream OpenAB's own behaviour, isolating nothing. With
+/// `storage = "per-session"` it is `LocalRuntime`.
 ///
 /// The Kubernetes runtime runs its cluster-owned profile's agent instead of `agent`, and finds
 /// its API server on first use (`KUBECONFIG`, `~/.kube/config`, or the Pod's service account).
@@ -67,6 +78,8 @@ use session_runtime::config::{RuntimeKind, SessionRuntimeConfig};
 /// AWS credentials from the standard provider chain on first use.
 ///
 /// # Errors
+/// - [`Error::Unsupported`] for `local.storage = "per-session"` on a platform other than Linux:
+///   per-session storage and the sandboxes exist only there.
 /// - [`Error::InvalidConfig`] naming `session_runtime.type` if the selected backend's cargo
 ///   feature is not compiled into this build, or the backend is not available yet in this version.
 /// - Whatever the backend's own validation reports, as [`Error::InvalidConfig`] naming the key.
@@ -83,9 +96,11 @@ pub fn from_config(config: &SessionRuntimeConfig, agent: &AgentCommand) -> Resul
     }
     match kind {
         #[cfg(feature = "local")]
-        RuntimeKind::Local => Ok(Arc::new(
-            runtime_local::LocalRuntimeBuilder::from_config(config, agent.clone()).build()?,
+        RuntimeKind::Local if config.local.storage == StorageMode::Shared => Ok(Arc::new(
+            runtime_shared::SharedRuntimeBuilder::from_config(config, agent.clone()).build()?,
         )),
+        #[cfg(feature = "local")]
+        RuntimeKind::Local => linux::per_session_runtime(config, agent),
         // The agent a worker runs is the cluster-owned profile's, never the broker's `[agent]`.
         #[cfg(feature = "kubernetes")]
         RuntimeKind::Kubernetes => Ok(Arc::new(

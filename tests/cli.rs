@@ -19,7 +19,7 @@ fn plain_config(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBu
     let root = dir.join("sessions");
     let config = write_config(
         dir,
-        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n", root),
+        &format!("[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {:?}\n", root),
     );
     (config, root)
 }
@@ -97,7 +97,10 @@ fn verify_passes_in_landlock_mode_and_names_its_isolation() {
         helper.display()
     );
     let dir = tempfile::tempdir().expect("temp dir");
-    let config = write_config(dir.path(), "[session_runtime.local]\nsandbox = \"landlock\"\n");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"landlock\"\n",
+    );
     let output = oab_runtime()
         .arg("--config")
         .arg(&config)
@@ -117,7 +120,10 @@ fn verify_passes_in_landlock_mode_and_names_its_isolation() {
 #[test]
 fn verify_fails_and_names_the_leaks_in_plain_mode() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let config = write_config(dir.path(), "[session_runtime.local]\nsandbox = \"none\"\n");
+    let config = write_config(
+        dir.path(),
+        "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\n",
+    );
     let output = oab_runtime()
         .arg("--config")
         .arg(&config)
@@ -431,7 +437,9 @@ fn reading_commands_write_nothing_and_bad_roots_are_refused_untouched() {
         let before = std::fs::metadata(bad).expect("meta").permissions().mode();
         let config = write_config(
             dir.path(),
-            &format!("[session_runtime.local]\nsandbox = \"none\"\nroot = {bad:?}\n"),
+            &format!(
+                "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {bad:?}\n"
+            ),
         );
         for command in [
             &["ls"][..],
@@ -480,7 +488,7 @@ fn errors_show_their_os_cause() {
     let config = write_config(
         dir.path(),
         &format!(
-            "[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {:?}\n",
             file.join("sessions")
         ),
     );
@@ -503,7 +511,7 @@ fn a_grace_without_end_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = write_config(
         dir.path(),
-        "[session_runtime.local]\nsandbox = \"none\"\nterminate_grace = \"100000000y\"\n",
+        "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nterminate_grace = \"100000000y\"\n",
     );
     let output = oab_runtime()
         .arg("--config")
@@ -523,7 +531,7 @@ fn a_cpu_limit_the_kernel_cannot_represent_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = write_config(
         dir.path(),
-        "[session_runtime.local]\nsandbox = \"none\"\n[session_runtime.local.limits]\ncpu = 1e308\n",
+        "[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\n[session_runtime.local.limits]\ncpu = 1e308\n",
     );
     let output = oab_runtime()
         .arg("--config")
@@ -549,7 +557,7 @@ fn nothing_the_agent_detaches_outlives_run_even_without_cgroups() {
     let config = write_config(
         dir.path(),
         &format!(
-            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n",
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {:?}\n",
             home.join("sessions")
         ),
     );
@@ -631,7 +639,7 @@ fn run_reports_an_agent_killed_by_its_memory_limit_as_out_of_memory() {
     let config = write_config(
         dir.path(),
         &format!(
-            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {:?}\n\
+            "[session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {:?}\n\
              [session_runtime.local.limits]\nmemory = \"32Mi\"\n",
             dir.path().join("sessions")
         ),
@@ -656,7 +664,7 @@ fn run_keeps_the_configured_environment_with_an_argv_and_adds_env_flags() {
         dir.path(),
         &format!(
             "[agent]\ncommand = \"/bin/false\"\nenv = {{ FROM_CONFIG = \"configured\" }}\ninherit_env = [\"OAB_TEST_INHERITED\"]\n\
-             [session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nsandbox = \"none\"\nroot = {root:?}\n"
+             [session_runtime]\ninstallation = \"cli\"\n[session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"none\"\nroot = {root:?}\n"
         ),
     );
     let script = "echo \"config=$FROM_CONFIG inherited=$OAB_TEST_INHERITED set=$FROM_FLAG passed=$OAB_TEST_PASSED leaked=$OAB_TEST_LEAKED\"";
@@ -887,7 +895,7 @@ fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
             &format!(
                 "[agent]\ncommand = {:?}\nenv = {{ LIB = {:?} }}\nneeds = [{:?}]\n\
                  [session_runtime]\ninstallation = \"cli\"\n\
-                 [session_runtime.local]\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
                 install.path().join("bin/agent.sh"),
                 lib,
                 lib,

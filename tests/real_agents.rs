@@ -375,7 +375,7 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
                 &config,
                 format!(
                     "{}[session_runtime]\ninstallation = \"real-agents\"\n\
-                     [session_runtime.local]\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
                     agent_table(&agent),
                     work.path().join("sessions").display().to_string(),
                 ),

@@ -24,5 +24,5 @@ mod writer;
 pub use control::{SessionControl, CANCEL_BOUND};
 pub use errors::AcpCallError;
 pub use paths::{PoolPath, RuntimeCall};
-pub use sessions::{AgentTransport, ThreadSessions};
+pub use sessions::{AgentTransport, ThreadSessions, TurnWait};
 pub use writer::LineWriter;

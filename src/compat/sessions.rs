@@ -1,6 +1,7 @@
 //! [`ThreadSessions`]: the pool's thread keys mapped onto runtime sessions.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use session_runtime::{
     AgentOutput, Capabilities, CreateOptions, Error, Generation, Result, SessionId, SessionIdentity,
@@ -26,6 +27,16 @@ pub struct AgentTransport {
     pub writer: LineWriter,
     /// Cancel, kill and liveness without the connection mutex.
     pub control: SessionControl,
+}
+
+/// How [`ThreadSessions::end_after_turn`] found the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TurnWait {
+    /// No turn held it (any turn in flight had finished) when the session was ended.
+    Finished,
+    /// A turn still held it when the wait ran out; the session was ended anyway, cutting it off.
+    WaitedOut,
 }
 
 /// The pool's `"<platform>:<thread>"` keys as runtime sessions of one installation and agent.
@@ -104,12 +115,51 @@ impl ThreadSessions {
         })
     }
 
-    /// Ends the thread's connection the way `path` says.
+    /// Ends the thread's connection the way `path` says, at once: a turn in flight is cut off.
     ///
     /// # Errors
     /// As [`PoolPath::apply`]; [`Error::InvalidIdentity`] for a malformed key.
     pub async fn end(&self, pool_key: &str, path: PoolPath) -> Result<()> {
         let id = self.session_id(pool_key)?;
         path.apply(self.runtime.as_ref(), &id).await
+    }
+
+    /// Ends the thread's connection the way `path` says once no turn holds `connection` (the
+    /// pool's `Mutex` around `AcpConnection`, which a turn holds from start to end), waiting at
+    /// most `wait`; the lock is held across the runtime call, so no new turn starts meanwhile.
+    ///
+    /// Upstream's idle and capacity evictions removed the connection from the pool's map and
+    /// let the last `Arc` go: a turn that had just started kept its clone and finished before
+    /// the process died. [`end`](Self::end) stops the worker at once; this is the graceful
+    /// equivalent for [`PoolPath::IdleEviction`] and [`PoolPath::CapacityEviction`]. (Hung
+    /// eviction is meant to cut a stuck turn off: use `end`.)
+    ///
+    /// Returns [`TurnWait::WaitedOut`] if the turn still held the connection after `wait` and
+    /// the session was ended anyway.
+    ///
+    /// # Errors
+    /// As [`end`](Self::end).
+    ///
+    /// # Cancellation
+    /// Dropping the future while it waits ends nothing; dropping it during the runtime call is
+    /// as dropping [`PoolPath::apply`].
+    pub async fn end_after_turn<T: Send>(
+        &self,
+        pool_key: &str,
+        path: PoolPath,
+        connection: &tokio::sync::Mutex<T>,
+        wait: Duration,
+    ) -> Result<TurnWait> {
+        let id = self.session_id(pool_key)?;
+        match tokio::time::timeout(wait, connection.lock()).await {
+            Ok(_turns_held_off) => {
+                path.apply(self.runtime.as_ref(), &id).await?;
+                Ok(TurnWait::Finished)
+            }
+            Err(_) => {
+                path.apply(self.runtime.as_ref(), &id).await?;
+                Ok(TurnWait::WaitedOut)
+            }
+        }
     }
 }

@@ -256,7 +256,7 @@ impl AgentCoreRuntime {
         Ok(Self::builder(agentcore)
             .installation(config.installation.clone())
             .retention(config.retention.clone())
-            .idle_ttl(config.idle_ttl))
+            .idle_ttl(config.effective_idle_ttl()))
     }
 
     /// The installation this runtime serves.

@@ -345,7 +345,7 @@ impl KubernetesRuntime {
             key: None,
             epoch: None,
         };
-        builder.housekeeping.idle_ttl = config.idle_ttl;
+        builder.housekeeping.idle_ttl = config.effective_idle_ttl();
         Ok(builder)
     }
 

@@ -58,6 +58,14 @@
 //! `.uids`) are never used through a symbolic link: a link planted there is an error, so nothing
 //! outside the root is ever created, written or deleted on its account.
 //!
+//! # Platforms
+//!
+//! Linux only: per-session storage relies on `/proc`, `flock`, pid start times and Linux process
+//! calls, and the sandboxes on bubblewrap, Landlock and cgroups. `openab-runtime` depends on this
+//! crate only on Linux (`src/linux.rs` is its one boundary) and answers `storage =
+//! "per-session"` elsewhere with `Error::Unsupported`; upstream's behaviour (`runtime-shared`)
+//! builds everywhere.
+//!
 //! # Capabilities
 //!
 //! Persistent storage: yes. Workers survive a broker restart: no (plain workers are reclaimed by

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use session_runtime::config::{
     EgressTarget, LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode, SessionRuntimeConfig,
+    StorageMode,
 };
 use session_runtime::{AgentCommand, Error, IsolationLevel, Result, RetentionPolicy, SessionIdentity};
 
@@ -60,21 +61,27 @@ pub struct LocalRuntimeBuilder {
 }
 
 impl LocalRuntime {
-    /// A builder running `agent` in every session, with the defaults of an empty
-    /// `[session_runtime]` section (sandbox `auto`).
+    /// A builder running `agent` in every session: per-session storage with sandbox `auto`
+    /// (this runtime's own defaults, unchanged by 0.2; an empty `[session_runtime]` section
+    /// means shared storage now, which is not this runtime's).
     pub fn builder(agent: AgentCommand) -> LocalRuntimeBuilder {
-        LocalRuntimeBuilder::from_config(&SessionRuntimeConfig::default(), agent)
+        let mut config = SessionRuntimeConfig::default();
+        config.local.storage = StorageMode::PerSession;
+        config.local.sandbox = SandboxMode::Auto;
+        LocalRuntimeBuilder::from_config(&config, agent)
     }
 }
 
 impl LocalRuntimeBuilder {
     /// A builder from a parsed `[session_runtime]` section (its `local` table and common keys).
+    /// The section must select per-session storage (`build` refuses shared storage, which is
+    /// `runtime-shared`'s); an unset `idle_ttl` or `terminate_grace` takes its per-session default.
     pub fn from_config(config: &SessionRuntimeConfig, agent: AgentCommand) -> Self {
         Self {
             agent,
             installation: config.installation.clone(),
             retention: config.retention.clone(),
-            idle_ttl: config.idle_ttl,
+            idle_ttl: config.effective_idle_ttl(),
             local: config.local.clone(),
         }
     }
@@ -132,7 +139,7 @@ impl LocalRuntimeBuilder {
     /// How long an agent gets between SIGTERM and SIGKILL; at most
     /// [`LocalConfig::MAX_TERMINATE_GRACE`] (checked in [`build`](Self::build)).
     pub fn terminate_grace(mut self, grace: Duration) -> Self {
-        self.local.terminate_grace = grace;
+        self.local.terminate_grace = Some(grace);
         self
     }
 
@@ -164,6 +171,17 @@ impl LocalRuntimeBuilder {
             key: key.into(),
             reason,
         };
+        if self.local.storage != StorageMode::PerSession {
+            return Err(invalid(
+                "session_runtime.local.storage",
+                format!(
+                    "this runtime keeps storage per session, but storage = \"{}\"; shared storage \
+                     (upstream's behaviour) is runtime-shared's, which `openab_runtime::from_config` \
+                     picks for it",
+                    self.local.storage
+                ),
+            ));
+        }
         SessionIdentity::new(self.installation.as_str(), "probe", "probe", "probe")
             .map_err(|e| invalid("session_runtime.installation", e.to_string()))?;
         // The builder's setters bypass the configuration file's checks: the same bounds apply.
@@ -175,10 +193,11 @@ impl LocalRuntimeBuilder {
                 ),
             )
         };
-        if self.local.terminate_grace > LocalConfig::MAX_TERMINATE_GRACE {
+        let terminate_grace = self.local.effective_terminate_grace();
+        if terminate_grace > LocalConfig::MAX_TERMINATE_GRACE {
             return Err(too_long(
                 "session_runtime.local.terminate_grace",
-                self.local.terminate_grace,
+                terminate_grace,
                 LocalConfig::MAX_TERMINATE_GRACE,
             ));
         }
@@ -253,7 +272,7 @@ impl LocalRuntimeBuilder {
             agent: self.agent,
             retention: self.retention,
             idle_ttl: self.idle_ttl,
-            terminate_grace: self.local.terminate_grace,
+            terminate_grace,
             limits: self.local.limits,
             home_template: self.local.home_template,
             egress,

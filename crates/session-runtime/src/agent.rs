@@ -25,6 +25,11 @@ pub struct AgentCommand {
     /// program's file and the interpreter of its `#!` line need not be listed. A backend that runs
     /// the program elsewhere (a Pod, a microVM) ignores them.
     pub needs: Vec<PathBuf>,
+    /// upstream's `[agent].working_dir`: where the agent runs with shared storage
+    /// ([`StorageMode::Shared`](crate::config::StorageMode)), and the `cwd` it is given. `None`:
+    /// the system's temporary directory (`/tmp` on Linux), upstream v0.8.x's default. Backends
+    /// with storage of a session's own ignore it: the session's workspace is the working directory.
+    pub working_dir: Option<PathBuf>,
 }
 
 impl AgentCommand {
@@ -55,6 +60,12 @@ impl AgentCommand {
     /// Passes one broker environment variable through when it is set.
     pub fn inherit_env(mut self, key: impl Into<String>) -> Self {
         self.inherit_env.push(key.into());
+        self
+    }
+
+    /// Sets the working directory of shared storage (see [`working_dir`](Self::working_dir)).
+    pub fn working_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.working_dir = Some(dir.into());
         self
     }
 

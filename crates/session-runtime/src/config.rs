@@ -6,20 +6,21 @@
 //! [session_runtime]
 //! type = "local"                # local | kubernetes | agentcore; default local
 //! installation = "prod-bot"     # default "openab"
-//! idle_ttl = "30m"              # default "30m"; "0" disables idle suspension
+//! idle_ttl = "30m"              # default: never with storage = "shared", else "30m"; "0": never
 //! [session_runtime.retention]
 //! reset = "delete"              # delete | retain; default delete
 //! ended = "delete"              # delete | retain; default delete
 //! expired = "delete"            # delete | retain; default delete
 //! retain_for = "7d"             # default: retained storage is kept until an operator deletes it
 //! [session_runtime.local]
+//! storage = "per-session"       # shared | per-session; default shared (upstream's behaviour)
 //! root = "/var/lib/openab/sessions"
-//! sandbox = "auto"              # auto | bubblewrap | landlock | none; default auto
+//! sandbox = "auto"              # auto | bubblewrap | landlock | none; default none
 //! network = "host"              # host | none | allowlist; default host
 //! egress = ["api.example.com:443", "127.0.0.1:8080"]  # with network = "allowlist"
 //! readonly = ["/opt/openab/skills:/skills"]
 //! home_template = "/etc/openab/home"
-//! terminate_grace = "5s"        # default "5s"
+//! terminate_grace = "5s"        # default "1500ms" with storage = "shared", else "5s"
 //! [session_runtime.local.limits]
 //! memory = "2Gi"
 //! pids = 512
@@ -77,9 +78,20 @@ const SECTION_NAME: &str = "session_runtime";
 /// The `[session_runtime]` section: which runtime runs sessions, and its settings.
 ///
 /// Every key is optional; [`SessionRuntimeConfig::default`] (an absent or empty section) is the
-/// local runtime with an automatically chosen sandbox. Tables of runtimes other than the selected
-/// one may be present; they are validated all the same, so switching `type` never uncovers a
-/// latent error.
+/// local runtime with [`StorageMode::Shared`]: exactly what upstream OpenAB does without this
+/// library (the agent in `[agent].working_dir` with the broker's HOME, its own process group,
+/// the same environment rules, SIGTERM then SIGKILL after 1.5 s). It isolates nothing. Each step
+/// beyond it is one explicit key: `local.storage = "per-session"` (a HOME and workspace per
+/// session), then `local.sandbox = "auto"` (OS isolation), or `type = "kubernetes"`.
+///
+/// **Changed in 0.2:** the default used to be per-session storage with `sandbox = "auto"`. A
+/// configuration that relied on that default and sets any per-session key (`local.root`,
+/// `local.home_template`, `local.sandbox`, `local.limits`, ...) without `local.storage` is now an
+/// [`Error::InvalidConfig`] naming that key, never a silent loss of isolation; an empty section
+/// now means upstream's behaviour.
+///
+/// Tables of runtimes other than the selected one may be present; they are validated all the
+/// same, so switching `type` never uncovers a latent error.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
@@ -91,12 +103,13 @@ pub struct SessionRuntimeConfig {
     /// deployments sharing a cluster or host never collide. 1 to 63 characters of `a-z`, `0-9`
     /// and `-`, not starting or ending with `-`. Default `"openab"`.
     pub installation: String,
-    /// How long a session's worker may sit idle before `reconcile` suspends it (storage is kept).
-    /// Default 30 minutes ([`SessionRuntimeConfig::DEFAULT_IDLE_TTL`]). A zero duration (`"0"`,
-    /// `"0s"`) is `None`: idle workers are never suspended by the runtime. At most
-    /// [`SessionRuntimeConfig::MAX_IDLE_TTL`].
-    #[serde(with = "idle_ttl")]
-    pub idle_ttl: Option<Duration>,
+    /// The `idle_ttl` key as written: `None` when the operator did not set it, so a broker with
+    /// idle timers of its own (openab-core's `[pool] session_ttl_hours`) can tell "unset" from
+    /// "set" and fill it in with its own value. A zero duration (`"0"`, `"0s"`) is
+    /// [`IdleTtl::Never`]. At most [`SessionRuntimeConfig::MAX_IDLE_TTL`]. What the runtime
+    /// applies is [`effective_idle_ttl`](Self::effective_idle_ttl).
+    #[serde(with = "idle_ttl", skip_serializing_if = "Option::is_none")]
+    pub idle_ttl: Option<IdleTtl>,
     /// What happens to a closed session's storage: the `[session_runtime.retention]` table.
     /// Default: deleted for every close reason.
     pub retention: RetentionPolicy,
@@ -118,7 +131,7 @@ impl Default for SessionRuntimeConfig {
         SessionRuntimeConfig {
             runtime: RuntimeKind::default(),
             installation: Self::DEFAULT_INSTALLATION.to_owned(),
-            idle_ttl: Some(Self::DEFAULT_IDLE_TTL),
+            idle_ttl: None,
             retention: RetentionPolicy::default(),
             local: LocalConfig::default(),
             kubernetes: None,
@@ -131,11 +144,25 @@ impl SessionRuntimeConfig {
     /// The default [`installation`](Self::installation): `"openab"`.
     pub const DEFAULT_INSTALLATION: &'static str = "openab";
 
-    /// The default [`idle_ttl`](Self::idle_ttl): 30 minutes.
+    /// The [`idle_ttl`](Self::idle_ttl) applied when the key is unset, except with
+    /// [`StorageMode::Shared`] (never, as upstream): 30 minutes.
     pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(30 * 60);
 
     /// The longest [`idle_ttl`](Self::idle_ttl): 365 days (`"0"` is the way to say never).
     pub const MAX_IDLE_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+    /// How long a worker may sit idle before `reconcile` suspends it, as the runtime applies it:
+    /// the [`idle_ttl`](Self::idle_ttl) key if set (`None` for [`IdleTtl::Never`]); unset, `None`
+    /// (never) for the local runtime with [`StorageMode::Shared`], whose upstream behaviour has no
+    /// runtime idle timer, and [`DEFAULT_IDLE_TTL`](Self::DEFAULT_IDLE_TTL) for every other runtime.
+    pub fn effective_idle_ttl(&self) -> Option<Duration> {
+        match self.idle_ttl {
+            Some(IdleTtl::Never) => None,
+            Some(IdleTtl::After(ttl)) => Some(ttl),
+            None if self.runtime == RuntimeKind::Local && self.local.storage == StorageMode::Shared => None,
+            None => Some(Self::DEFAULT_IDLE_TTL),
+        }
+    }
 
     /// Reads the `[session_runtime]` section of a whole OpenAB configuration file and validates it.
     ///
@@ -210,7 +237,7 @@ impl SessionRuntimeConfig {
                 ),
             ));
         }
-        if let Some(ttl) = self.idle_ttl {
+        if let Some(IdleTtl::After(ttl)) = self.idle_ttl {
             check_at_most(
                 "idle_ttl",
                 ttl,
@@ -225,6 +252,17 @@ impl SessionRuntimeConfig {
                 RetentionPolicy::MAX_RETAIN_FOR,
                 "; leave it out to keep retained storage until an operator removes it",
             )?;
+        }
+        if self.runtime == RuntimeKind::Local
+            && self.local.storage == StorageMode::Shared
+            && self.retention != RetentionPolicy::default()
+        {
+            return Err(invalid(
+                "retention",
+                "retention applies to per-session storage, but local.storage = \"shared\" keeps \
+                 no storage of a session's own; set local.storage = \"per-session\" or remove \
+                 [session_runtime.retention]",
+            ));
         }
         self.local.validate()?;
         if let Some(kubernetes) = &self.kubernetes {
@@ -276,16 +314,61 @@ impl fmt::Display for RuntimeKind {
     }
 }
 
+/// A set `idle_ttl` key: a time, or never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IdleTtl {
+    /// `"0"` (or any zero duration): the runtime never suspends a worker for idleness.
+    Never,
+    /// Suspend a worker once its stream has been idle this long.
+    After(Duration),
+}
+
+/// Where a local session's agent works and keeps its files: the `storage` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum StorageMode {
+    /// Upstream OpenAB's behaviour, unchanged: every session's agent runs in the configured
+    /// working directory ([`AgentCommand::working_dir`](crate::AgentCommand)) with the broker's
+    /// own HOME; nothing is kept per session and nothing is isolated: `"shared"`. The default.
+    #[default]
+    #[serde(rename = "shared")]
+    Shared,
+    /// A workspace, HOME and agent state of its own for each session under `root/<session id>/`:
+    /// `"per-session"`. Needed by every sandbox.
+    #[serde(rename = "per-session")]
+    PerSession,
+}
+
+impl StorageMode {
+    /// The configuration spelling: `"shared"` or `"per-session"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            StorageMode::Shared => "shared",
+            StorageMode::PerSession => "per-session",
+        }
+    }
+}
+
+impl fmt::Display for StorageMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The `[session_runtime.local]` table: settings of the local runtime.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct LocalConfig {
+    /// Shared (upstream's behaviour) or per-session storage. Default [`StorageMode::Shared`].
+    /// Every other key of this table but `terminate_grace` needs [`StorageMode::PerSession`].
+    pub storage: StorageMode,
     /// The directory that holds one subdirectory per session (`<root>/<session id>/`). Must be
     /// absolute. Default `None`: the local runtime chooses its own default location.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub root: Option<PathBuf>,
-    /// How sessions are isolated from each other and from the host. Default [`SandboxMode::Auto`].
+    /// How sessions are isolated from each other and from the host. Default [`SandboxMode::None`]
+    /// (changed in 0.2 from `Auto`: a sandbox is now an explicit step).
     pub sandbox: SandboxMode,
     /// Whether sandboxed agents can reach the network. Default [`NetworkMode::Host`].
     pub network: NetworkMode,
@@ -307,31 +390,32 @@ pub struct LocalConfig {
     /// Default `None`: no limits.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<ResourceLimits>,
-    /// How long an agent may take to exit after SIGTERM before it is killed with SIGKILL.
-    /// Default 5 seconds ([`LocalConfig::DEFAULT_TERMINATE_GRACE`]); `"0s"` kills at once; at
-    /// most [`LocalConfig::MAX_TERMINATE_GRACE`].
-    #[serde(with = "serde_duration")]
-    pub terminate_grace: Duration,
-}
-
-impl Default for LocalConfig {
-    fn default() -> Self {
-        LocalConfig {
-            root: None,
-            sandbox: SandboxMode::default(),
-            network: NetworkMode::default(),
-            egress: Vec::new(),
-            readonly: Vec::new(),
-            home_template: None,
-            limits: None,
-            terminate_grace: Self::DEFAULT_TERMINATE_GRACE,
-        }
-    }
+    /// The `terminate_grace` key as written (`None`: unset): how long an agent may take to exit
+    /// after SIGTERM before it is killed with SIGKILL. `"0s"` kills at once; at most
+    /// [`LocalConfig::MAX_TERMINATE_GRACE`]. What applies is
+    /// [`effective_terminate_grace`](Self::effective_terminate_grace).
+    #[serde(with = "serde_duration::option", skip_serializing_if = "Option::is_none")]
+    pub terminate_grace: Option<Duration>,
 }
 
 impl LocalConfig {
-    /// The default [`terminate_grace`](Self::terminate_grace): 5 seconds.
+    /// The [`terminate_grace`](Self::terminate_grace) applied when unset with per-session
+    /// storage: 5 seconds.
     pub const DEFAULT_TERMINATE_GRACE: Duration = Duration::from_secs(5);
+
+    /// The [`terminate_grace`](Self::terminate_grace) applied when unset with
+    /// [`StorageMode::Shared`]: 1.5 seconds, upstream's wait between SIGTERM and SIGKILL.
+    pub const UPSTREAM_TERMINATE_GRACE: Duration = Duration::from_millis(1500);
+
+    /// The grace the runtime applies: the key if set, else
+    /// [`UPSTREAM_TERMINATE_GRACE`](Self::UPSTREAM_TERMINATE_GRACE) with shared storage and
+    /// [`DEFAULT_TERMINATE_GRACE`](Self::DEFAULT_TERMINATE_GRACE) with per-session storage.
+    pub fn effective_terminate_grace(&self) -> Duration {
+        self.terminate_grace.unwrap_or(match self.storage {
+            StorageMode::Shared => Self::UPSTREAM_TERMINATE_GRACE,
+            StorageMode::PerSession => Self::DEFAULT_TERMINATE_GRACE,
+        })
+    }
 
     /// The longest [`terminate_grace`](Self::terminate_grace): 10 minutes. Stopping a session
     /// (suspend, close, a signal to `oab-runtime run`) waits this long for an agent that ignores
@@ -340,12 +424,12 @@ impl LocalConfig {
 
     /// Checks paths, mounts, limits, the grace and their agreement with the sandbox mode.
     fn validate(&self) -> Result<()> {
-        check_at_most(
-            "local.terminate_grace",
-            self.terminate_grace,
-            Self::MAX_TERMINATE_GRACE,
-            "",
-        )?;
+        if let Some(grace) = self.terminate_grace {
+            check_at_most("local.terminate_grace", grace, Self::MAX_TERMINATE_GRACE, "")?;
+        }
+        if self.storage == StorageMode::Shared {
+            self.check_shared()?;
+        }
         if let Some(root) = &self.root {
             check_absolute("local.root", root)?;
         }
@@ -418,14 +502,43 @@ impl LocalConfig {
     }
 }
 
+impl LocalConfig {
+    /// With shared storage, refuses every key that only per-session storage gives a meaning to,
+    /// naming it: before 0.2 an absent `storage` meant per-session storage with a sandbox, so such
+    /// a key most likely comes from a configuration that expects isolation.
+    fn check_shared(&self) -> Result<()> {
+        let set = [
+            ("sandbox", self.sandbox != SandboxMode::None),
+            ("network", self.network != NetworkMode::Host),
+            ("egress", !self.egress.is_empty()),
+            ("readonly", !self.readonly.is_empty()),
+            ("root", self.root.is_some()),
+            ("home_template", self.home_template.is_some()),
+            ("limits", self.limits.is_some()),
+        ];
+        match set.iter().find(|(_, is_set)| *is_set) {
+            None => Ok(()),
+            Some((key, _)) => Err(invalid(
+                &format!("local.{key}"),
+                format!(
+                    "`{key}` needs storage = \"per-session\", but storage is \"shared\" (the default \
+                     since 0.2: every session's agent runs in [agent].working_dir with the broker's \
+                     HOME, as upstream OpenAB runs it); add storage = \"per-session\" to \
+                     [session_runtime.local], and sandbox = \"auto\" for the isolation an absent \
+                     sandbox key gave before 0.2"
+                ),
+            )),
+        }
+    }
+}
+
 /// How the local runtime isolates sessions: the `sandbox` key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum SandboxMode {
     /// Bubblewrap if it works on this host, else Landlock; if neither does, isolated sessions
-    /// refuse to start: `"auto"`. The default.
-    #[default]
+    /// refuse to start: `"auto"`.
     Auto,
     /// Bubblewrap namespaces (mount, pid, ipc, uts, optionally network); refuse to start without
     /// it: `"bubblewrap"`.
@@ -433,7 +546,9 @@ pub enum SandboxMode {
     /// Landlock filesystem rules only; refuse to start without it: `"landlock"`.
     Landlock,
     /// No isolation at all: agents are plain child processes of the broker, as upstream OpenAB
-    /// runs them, and each session only gets its own HOME and worktree directory: `"none"`.
+    /// runs them (with per-session storage, each session still gets its own HOME and worktree
+    /// directory): `"none"`. The default (since 0.2).
+    #[default]
     None,
 }
 
@@ -1280,18 +1395,28 @@ mod idle_ttl {
 
     use serde::{Deserializer, Serializer};
 
-    use super::serde_duration;
+    use super::{serde_duration, IdleTtl};
 
-    /// Writes the TTL, or `"0s"` for `None`.
-    pub(super) fn serialize<S: Serializer>(ttl: &Option<Duration>, serializer: S) -> Result<S::Ok, S::Error> {
-        serde_duration::serialize(&ttl.unwrap_or(Duration::ZERO), serializer)
+    /// Writes the TTL, or `"0s"` for never (an unset key is skipped).
+    pub(super) fn serialize<S: Serializer>(ttl: &Option<IdleTtl>, serializer: S) -> Result<S::Ok, S::Error> {
+        let written = match ttl {
+            Some(IdleTtl::After(ttl)) => *ttl,
+            Some(IdleTtl::Never) | None => Duration::ZERO,
+        };
+        serde_duration::serialize(&written, serializer)
     }
 
-    /// Reads a duration string; zero is `None`.
+    /// Reads a duration string; zero is never. Only called for a present key.
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(
         deserializer: D,
-    ) -> Result<Option<Duration>, D::Error> {
-        serde_duration::deserialize(deserializer).map(|ttl| (!ttl.is_zero()).then_some(ttl))
+    ) -> Result<Option<IdleTtl>, D::Error> {
+        serde_duration::deserialize(deserializer).map(|ttl| {
+            Some(if ttl.is_zero() {
+                IdleTtl::Never
+            } else {
+                IdleTtl::After(ttl)
+            })
+        })
     }
 }
 

@@ -4,12 +4,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use session_runtime::config::{
-    AgentCoreConfig, KubernetesConfig, NetworkMode, Reach, ReadonlyMount, ResourceLimits, RuntimeKind,
-    SandboxMode, SessionRuntimeConfig,
+    AgentCoreConfig, IdleTtl, KubernetesConfig, NetworkMode, Reach, ReadonlyMount, ResourceLimits,
+    RuntimeKind, SandboxMode, SessionRuntimeConfig, StorageMode,
 };
 use session_runtime::{Error, Retention, RetentionPolicy};
 
-/// The example of DESIGN.md section 3, verbatim.
+/// The example of DESIGN.md section 3, with `storage = "per-session"` added (needed since 0.2 for
+/// its per-session keys).
 const DESIGN_EXAMPLE: &str = r#"
 [session_runtime]
 type = "local"                # local | kubernetes | agentcore; default local
@@ -20,6 +21,7 @@ reset = "delete"
 ended = "delete"
 retain_for = "7d"
 [session_runtime.local]
+storage = "per-session"
 root = "/var/lib/openab/sessions"
 sandbox = "auto"              # auto | bubblewrap | landlock | none
 network = "host"              # host | none
@@ -68,24 +70,34 @@ fn document_error(document: &str, key: &str) -> String {
 }
 
 #[test]
-fn empty_section_is_the_local_runtime_with_defaults() {
+fn empty_section_is_the_local_runtime_with_upstreams_behaviour() {
     let config = SessionRuntimeConfig::from_toml_section("").unwrap();
     assert_eq!(config, SessionRuntimeConfig::default());
     assert_eq!(config.runtime, RuntimeKind::Local);
     assert_eq!(config.installation, "openab");
-    assert_eq!(config.idle_ttl, Some(Duration::from_secs(30 * MINUTE)));
+    assert_eq!(config.local.storage, StorageMode::Shared);
+    assert_eq!(config.idle_ttl, None, "unset stays visible as unset");
+    assert_eq!(
+        config.effective_idle_ttl(),
+        None,
+        "upstream has no runtime idle timer"
+    );
+    assert_eq!(
+        config.local.effective_terminate_grace(),
+        Duration::from_millis(1500)
+    );
     assert_eq!(config.retention, RetentionPolicy::default());
     assert_eq!(config.retention.reset, Retention::Delete);
     assert_eq!(config.retention.ended, Retention::Delete);
     assert_eq!(config.retention.expired, Retention::Delete);
     assert_eq!(config.retention.retain_for, None);
     assert_eq!(config.local.root, None);
-    assert_eq!(config.local.sandbox, SandboxMode::Auto);
+    assert_eq!(config.local.sandbox, SandboxMode::None);
     assert_eq!(config.local.network, NetworkMode::Host);
     assert!(config.local.readonly.is_empty());
     assert_eq!(config.local.home_template, None);
     assert_eq!(config.local.limits, None);
-    assert_eq!(config.local.terminate_grace, Duration::from_secs(5));
+    assert_eq!(config.local.terminate_grace, None);
     assert_eq!(config.kubernetes, None);
     assert_eq!(config.agentcore, None);
     config.validate().unwrap();
@@ -106,7 +118,10 @@ fn design_example_parses_to_the_expected_values() {
     let config = SessionRuntimeConfig::from_toml_document(DESIGN_EXAMPLE).unwrap();
     assert_eq!(config.runtime, RuntimeKind::Local);
     assert_eq!(config.installation, "prod-bot");
-    assert_eq!(config.idle_ttl, Some(Duration::from_secs(30 * MINUTE)));
+    assert_eq!(
+        config.idle_ttl,
+        Some(IdleTtl::After(Duration::from_secs(30 * MINUTE)))
+    );
     assert_eq!(config.retention.reset, Retention::Delete);
     assert_eq!(config.retention.ended, Retention::Delete);
     assert_eq!(config.retention.expired, Retention::Delete);
@@ -123,7 +138,8 @@ fn design_example_parses_to_the_expected_values() {
     );
     assert_eq!(config.local.readonly[0].host(), Path::new("/opt/openab/skills"));
     assert_eq!(config.local.readonly[0].target(), Path::new("/skills"));
-    assert_eq!(config.local.terminate_grace, Duration::from_secs(5));
+    assert_eq!(config.local.terminate_grace, None);
+    assert_eq!(config.local.effective_terminate_grace(), Duration::from_secs(5));
 
     let kubernetes = config.kubernetes.as_ref().unwrap();
     assert_eq!(
@@ -183,6 +199,7 @@ ended = "retain"
 expired = "retain"
 retain_for = "90s"
 [local]
+storage = "per-session"
 sandbox = "bubblewrap"
 network = "none"
 home_template = "/etc/openab/home"
@@ -210,7 +227,10 @@ start_timeout = "5m"
     let config = from_section;
     assert_eq!(config.runtime, RuntimeKind::Kubernetes);
     assert_eq!(config.installation, "staging");
-    assert_eq!(config.idle_ttl, Some(Duration::from_secs(4 * HOUR)));
+    assert_eq!(
+        config.idle_ttl,
+        Some(IdleTtl::After(Duration::from_secs(4 * HOUR)))
+    );
     assert_eq!(config.retention.reset, Retention::Delete);
     assert_eq!(config.retention.ended, Retention::Retain);
     assert_eq!(config.retention.expired, Retention::Retain);
@@ -221,7 +241,10 @@ start_timeout = "5m"
         config.local.home_template.as_deref(),
         Some(Path::new("/etc/openab/home"))
     );
-    assert_eq!(config.local.terminate_grace, Duration::from_secs(2 * MINUTE + 30));
+    assert_eq!(
+        config.local.terminate_grace,
+        Some(Duration::from_secs(2 * MINUTE + 30))
+    );
     let limits = config.local.limits.as_ref().unwrap();
     assert_eq!(limits.memory, Some(2 * 1024 * 1024 * 1024));
     assert_eq!(limits.pids, Some(512));
@@ -243,9 +266,13 @@ fn durations_parse_to_the_right_values() {
         ("1h30m", HOUR + 30 * MINUTE),
         ("1h 30m", HOUR + 30 * MINUTE),
     ] {
-        let section = format!("idle_ttl = \"{text}\"\n[retention]\nretain_for = \"{text}\"\n");
+        let section = format!("idle_ttl = \"{text}\"\n[local]\nstorage = \"per-session\"\n[retention]\nretain_for = \"{text}\"\n");
         let config = SessionRuntimeConfig::from_toml_section(&section).unwrap();
-        assert_eq!(config.idle_ttl, Some(Duration::from_secs(seconds)), "{text}");
+        assert_eq!(
+            config.idle_ttl,
+            Some(IdleTtl::After(Duration::from_secs(seconds))),
+            "{text}"
+        );
         assert_eq!(
             config.retention.retain_for,
             Some(Duration::from_secs(seconds)),
@@ -258,8 +285,69 @@ fn durations_parse_to_the_right_values() {
 fn zero_idle_ttl_disables_idle_suspension() {
     for zero in ["0", "0s", "0m"] {
         let config = SessionRuntimeConfig::from_toml_section(&format!("idle_ttl = \"{zero}\"")).unwrap();
-        assert_eq!(config.idle_ttl, None, "{zero}");
+        assert_eq!(config.idle_ttl, Some(IdleTtl::Never), "{zero}");
+        assert_eq!(config.effective_idle_ttl(), None, "{zero}");
     }
+}
+
+#[test]
+fn an_unset_idle_ttl_is_told_apart_from_a_set_one() {
+    let unset = SessionRuntimeConfig::from_toml_section("[local]\nstorage = \"per-session\"").unwrap();
+    assert_eq!(unset.idle_ttl, None);
+    assert_eq!(
+        unset.effective_idle_ttl(),
+        Some(SessionRuntimeConfig::DEFAULT_IDLE_TTL),
+        "per-session storage keeps its 30 minute default"
+    );
+    let set = SessionRuntimeConfig::from_toml_section("idle_ttl = \"30m\"").unwrap();
+    assert_eq!(
+        set.idle_ttl,
+        Some(IdleTtl::After(Duration::from_secs(30 * MINUTE)))
+    );
+    assert_eq!(set.effective_idle_ttl(), Some(Duration::from_secs(30 * MINUTE)));
+    // A broker reconciling its own TTL fills in only what the operator left unset.
+    let mut filled = unset.clone();
+    filled
+        .idle_ttl
+        .get_or_insert(IdleTtl::After(Duration::from_secs(4 * HOUR)));
+    assert_eq!(filled.effective_idle_ttl(), Some(Duration::from_secs(4 * HOUR)));
+    let kubernetes = SessionRuntimeConfig::from_toml_section(
+        "type = \"kubernetes\"\n[kubernetes]\nnamespace = \"s\"\nprofile = \"p\"",
+    )
+    .unwrap();
+    assert_eq!(
+        kubernetes.effective_idle_ttl(),
+        Some(SessionRuntimeConfig::DEFAULT_IDLE_TTL)
+    );
+}
+
+#[test]
+fn per_session_keys_without_per_session_storage_are_refused_by_name() {
+    for (body, key) in [
+        ("sandbox = \"auto\"", "sandbox"),
+        ("sandbox = \"bubblewrap\"", "sandbox"),
+        ("root = \"/var/lib/openab/sessions\"", "root"),
+        ("home_template = \"/etc/openab/home\"", "home_template"),
+        ("readonly = [\"/opt/skills:/skills\"]", "readonly"),
+        ("network = \"none\"", "network"),
+        ("[local.limits]\npids = 5", "limits"),
+    ] {
+        let reason = section_error(
+            &format!("[local]\n{body}"),
+            &format!("session_runtime.local.{key}"),
+        );
+        assert!(reason.contains("storage = \"per-session\""), "{key}: {reason}");
+        SessionRuntimeConfig::from_toml_section(&format!(
+            "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\n{}",
+            body.replace("sandbox = \"auto\"", "")
+                .replace("sandbox = \"bubblewrap\"", "")
+        ))
+        .unwrap_or_else(|e| panic!("{key} with per-session storage: {e}"));
+    }
+    section_error("[retention]\nreset = \"retain\"", "session_runtime.retention");
+    // terminate_grace means the same in both modes.
+    let config = SessionRuntimeConfig::from_toml_section("[local]\nterminate_grace = \"3s\"").unwrap();
+    assert_eq!(config.local.effective_terminate_grace(), Duration::from_secs(3));
 }
 
 #[test]
@@ -268,12 +356,12 @@ fn bad_durations_name_the_key() {
         let reason = section_error(&format!("idle_ttl = \"{bad}\""), "session_runtime.idle_ttl");
         assert!(reason.contains("expected a duration"), "{reason}");
         let reason = section_error(
-            &format!("[retention]\nretain_for = \"{bad}\""),
+            &format!("[local]\nstorage = \"per-session\"\n[retention]\nretain_for = \"{bad}\""),
             "session_runtime.retention.retain_for",
         );
         assert!(reason.contains("expected a duration"), "{reason}");
         document_error(
-            &format!("[session_runtime.local]\nterminate_grace = \"{bad}\""),
+            &format!("[session_runtime.local]\nstorage = \"per-session\"\nterminate_grace = \"{bad}\""),
             "session_runtime.local.terminate_grace",
         );
         document_error(
@@ -295,14 +383,26 @@ fn wrong_types_name_the_key() {
     section_error("installation = 7", "session_runtime.installation");
     section_error("type = true", "session_runtime.type");
     section_error("local = \"yes\"", "session_runtime.local");
-    section_error("[local]\nroot = 5", "session_runtime.local.root");
-    section_error("[local]\nreadonly = \"/a:/b\"", "session_runtime.local.readonly");
-    section_error("[local.limits]\npids = -1", "session_runtime.local.limits.pids");
     section_error(
-        "[local.limits]\ncpu = \"lots\"",
+        "[local]\nstorage = \"per-session\"\nroot = 5",
+        "session_runtime.local.root",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\nreadonly = \"/a:/b\"",
+        "session_runtime.local.readonly",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\npids = -1",
+        "session_runtime.local.limits.pids",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\ncpu = \"lots\"",
         "session_runtime.local.limits.cpu",
     );
-    section_error("[retention]\nreset = 1", "session_runtime.retention.reset");
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[retention]\nreset = 1",
+        "session_runtime.retention.reset",
+    );
     document_error("session_runtime = 3", "session_runtime");
 }
 
@@ -313,13 +413,16 @@ fn unknown_keys_name_the_full_path() {
         reason.contains("idle_ttl"),
         "the accepted keys are listed: {reason}"
     );
-    section_error("[local]\nsandbx = \"auto\"", "session_runtime.local.sandbx");
     section_error(
-        "[local.limits]\nswap = \"1Gi\"",
+        "[local]\nstorage = \"per-session\"\nsandbx = \"auto\"",
+        "session_runtime.local.sandbx",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\nswap = \"1Gi\"",
         "session_runtime.local.limits.swap",
     );
     section_error(
-        "[retention]\nsuspended = \"retain\"",
+        "[local]\nstorage = \"per-session\"\n[retention]\nsuspended = \"retain\"",
         "session_runtime.retention.suspended",
     );
     section_error(
@@ -338,7 +441,7 @@ fn unknown_keys_name_the_full_path() {
     );
     assert!(reason.contains("line 3"), "{reason}");
     let reason = document_error(
-        "[session_runtime.local]\nsandbx = \"auto\"\n",
+        "[session_runtime.local]\nstorage = \"per-session\"\nsandbx = \"auto\"\n",
         "session_runtime.local.sandbx",
     );
     assert!(
@@ -373,17 +476,23 @@ fn every_runtime_type_parses() {
 
 #[test]
 fn bad_enum_values_name_the_key() {
-    let reason = section_error("[local]\nsandbox = \"firejail\"", "session_runtime.local.sandbox");
+    let reason = section_error(
+        "[local]\nstorage = \"per-session\"\nsandbox = \"firejail\"",
+        "session_runtime.local.sandbox",
+    );
     for valid in ["auto", "bubblewrap", "landlock", "none"] {
         assert!(reason.contains(valid), "{reason}");
     }
-    section_error("[local]\nnetwork = \"bridge\"", "session_runtime.local.network");
+    section_error(
+        "[local]\nstorage = \"per-session\"\nnetwork = \"bridge\"",
+        "session_runtime.local.network",
+    );
     section_error(
         "[kubernetes]\nnamespace = \"a\"\nprofile = \"b\"\nreach = \"port-forward\"",
         "session_runtime.kubernetes.reach",
     );
     section_error(
-        "[retention]\nended = \"archive\"",
+        "[local]\nstorage = \"per-session\"\n[retention]\nended = \"archive\"",
         "session_runtime.retention.ended",
     );
 }
@@ -396,24 +505,29 @@ fn every_sandbox_and_network_value_parses() {
         ("landlock", SandboxMode::Landlock),
         ("none", SandboxMode::None),
     ] {
-        let config =
-            SessionRuntimeConfig::from_toml_section(&format!("[local]\nsandbox = \"{text}\"")).unwrap();
+        let config = SessionRuntimeConfig::from_toml_section(&format!(
+            "[local]\nstorage = \"per-session\"\nsandbox = \"{text}\""
+        ))
+        .unwrap();
         assert_eq!(config.local.sandbox, mode);
         assert_eq!(mode.as_str(), text);
     }
-    let config = SessionRuntimeConfig::from_toml_section("[local]\nnetwork = \"none\"").unwrap();
+    let config = SessionRuntimeConfig::from_toml_section(
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"none\"",
+    )
+    .unwrap();
     assert_eq!(config.local.network, NetworkMode::None);
 }
 
 #[test]
 fn readonly_mounts_must_be_two_absolute_paths() {
     let reason = section_error(
-        "[local]\nreadonly = [\"skills:/skills\"]",
+        "[local]\nstorage = \"per-session\"\nreadonly = [\"skills:/skills\"]",
         "session_runtime.local.readonly",
     );
     assert!(reason.contains("not absolute"), "{reason}");
     let reason = section_error(
-        "[local]\nreadonly = [\"/a:/a\", \"/opt/skills:skills\"]",
+        "[local]\nstorage = \"per-session\"\nreadonly = [\"/a:/a\", \"/opt/skills:skills\"]",
         "session_runtime.local.readonly",
     );
     assert!(reason.contains("entry 2"), "{reason}");
@@ -429,16 +543,16 @@ fn readonly_mounts_must_be_two_absolute_paths() {
         "/a:/b/./c",
     ] {
         section_error(
-            &format!("[local]\nreadonly = [\"{bad}\"]"),
+            &format!("[local]\nstorage = \"per-session\"\nreadonly = [\"{bad}\"]"),
             "session_runtime.local.readonly",
         );
     }
     section_error(
-        "[local]\nreadonly = [\"/a:/x\", \"/b:/x\"]",
+        "[local]\nstorage = \"per-session\"\nreadonly = [\"/a:/x\", \"/b:/x\"]",
         "session_runtime.local.readonly",
     );
     section_error(
-        "[local]\nsandbox = \"none\"\nreadonly = [\"/a:/x\"]",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"none\"\nreadonly = [\"/a:/x\"]",
         "session_runtime.local.readonly",
     );
 
@@ -453,9 +567,12 @@ fn readonly_mounts_must_be_two_absolute_paths() {
 
 #[test]
 fn local_paths_must_be_absolute() {
-    section_error("[local]\nroot = \"sessions\"", "session_runtime.local.root");
     section_error(
-        "[local]\nhome_template = \"./home\"",
+        "[local]\nstorage = \"per-session\"\nroot = \"sessions\"",
+        "session_runtime.local.root",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\nhome_template = \"./home\"",
         "session_runtime.local.home_template",
     );
 }
@@ -463,7 +580,7 @@ fn local_paths_must_be_absolute() {
 #[test]
 fn network_none_needs_a_sandbox() {
     section_error(
-        "[local]\nsandbox = \"none\"\nnetwork = \"none\"",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"none\"\nnetwork = \"none\"",
         "session_runtime.local.network",
     );
 }
@@ -564,15 +681,17 @@ fn memory_sizes() {
         ("\"1.5Gi\"", 3 << 29),
         ("1048576", 1 << 20),
     ] {
-        let config =
-            SessionRuntimeConfig::from_toml_section(&format!("[local.limits]\nmemory = {text}")).unwrap();
+        let config = SessionRuntimeConfig::from_toml_section(&format!(
+            "[local]\nstorage = \"per-session\"\n[local.limits]\nmemory = {text}"
+        ))
+        .unwrap();
         assert_eq!(config.local.limits.unwrap().memory, Some(bytes), "{text}");
     }
     for bad in [
         "\"lots\"", "\"2GB\"", "\"-1Gi\"", "\"0\"", "0", "-5", "\"\"", "\"1 Gi\"", "true",
     ] {
         let reason = section_error(
-            &format!("[local.limits]\nmemory = {bad}"),
+            &format!("[local]\nstorage = \"per-session\"\n[local.limits]\nmemory = {bad}"),
             "session_runtime.local.limits.memory",
         );
         assert!(reason.contains("byte size"), "{bad}: {reason}");
@@ -581,13 +700,30 @@ fn memory_sizes() {
 
 #[test]
 fn limit_ranges_are_checked() {
-    section_error("[local.limits]\npids = 0", "session_runtime.local.limits.pids");
-    section_error("[local.limits]\ncpu = 0", "session_runtime.local.limits.cpu");
-    section_error("[local.limits]\ncpu = -1.0", "session_runtime.local.limits.cpu");
-    section_error("[local.limits]\ncpu = nan", "session_runtime.local.limits.cpu");
-    let config = SessionRuntimeConfig::from_toml_section("[local.limits]\ncpu = 2").unwrap();
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\npids = 0",
+        "session_runtime.local.limits.pids",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\ncpu = 0",
+        "session_runtime.local.limits.cpu",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\ncpu = -1.0",
+        "session_runtime.local.limits.cpu",
+    );
+    section_error(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\ncpu = nan",
+        "session_runtime.local.limits.cpu",
+    );
+    let config = SessionRuntimeConfig::from_toml_section(
+        "[local]\nstorage = \"per-session\"\n[local.limits]\ncpu = 2",
+    )
+    .unwrap();
     assert_eq!(config.local.limits.unwrap().cpu, Some(2.0));
-    let config = SessionRuntimeConfig::from_toml_section("[local.limits]").unwrap();
+    let config =
+        SessionRuntimeConfig::from_toml_section("[local]\nstorage = \"per-session\"\n[local.limits]")
+            .unwrap();
     assert_eq!(config.local.limits, Some(ResourceLimits::default()));
 }
 
@@ -627,7 +763,7 @@ fn serialization_round_trips() {
     limits.cpu = Some(0.5);
     full.local.limits = Some(limits);
     full.local.home_template = Some("/etc/openab/home".into());
-    full.local.terminate_grace = Duration::from_millis(1500);
+    full.local.terminate_grace = Some(Duration::from_millis(1500));
     for config in [SessionRuntimeConfig::default(), full] {
         let text = toml::to_string(&config).unwrap();
         assert_eq!(
@@ -648,12 +784,12 @@ fn every_grace_and_timeout_is_bounded() {
             SessionRuntimeConfig::MAX_IDLE_TTL,
         ),
         (
-            "[retention]\nretain_for = \"{}\"".to_owned(),
+            "[local]\nstorage = \"per-session\"\n[retention]\nretain_for = \"{}\"".to_owned(),
             "session_runtime.retention.retain_for",
             RetentionPolicy::MAX_RETAIN_FOR,
         ),
         (
-            "[local]\nterminate_grace = \"{}\"".to_owned(),
+            "[local]\nstorage = \"per-session\"\nterminate_grace = \"{}\"".to_owned(),
             "session_runtime.local.terminate_grace",
             session_runtime::config::LocalConfig::MAX_TERMINATE_GRACE,
         ),
@@ -684,7 +820,10 @@ fn limits_the_kernel_cannot_represent_are_refused() {
         ("memory = \"8192Pi\"", "session_runtime.local.limits.memory"),
         ("memory = 1", "session_runtime.local.limits.memory"),
     ] {
-        let reason = section_error(&format!("[local.limits]\n{body}"), key);
+        let reason = section_error(
+            &format!("[local]\nstorage = \"per-session\"\n[local.limits]\n{body}"),
+            key,
+        );
         assert!(reason.contains("must be"), "{body}: {reason}");
     }
     for body in [
@@ -693,7 +832,7 @@ fn limits_the_kernel_cannot_represent_are_refused() {
         "pids = 4194304",
         "memory = \"8Ei\"",
     ] {
-        let section = format!("[local.limits]\n{body}");
+        let section = format!("[local]\nstorage = \"per-session\"\n[local.limits]\n{body}");
         if let Err(error) = SessionRuntimeConfig::from_toml_section(&section) {
             // "8Ei" is one byte above i64::MAX: refused as well, for the same reason.
             assert!(body.contains("8Ei"), "{body}: {error}");
@@ -704,7 +843,7 @@ fn limits_the_kernel_cannot_represent_are_refused() {
 #[test]
 fn allowlist_network_takes_egress_destinations() {
     let config = SessionRuntimeConfig::from_toml_section(
-        "[local]\nnetwork = \"allowlist\"\negress = [\"API.Example.com.:443\", \"127.0.0.1:8080\", \"[::1]:9000\", \"localhost:81\"]",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [\"API.Example.com.:443\", \"127.0.0.1:8080\", \"[::1]:9000\", \"localhost:81\"]",
     )
     .unwrap();
     assert_eq!(config.local.network, NetworkMode::Allowlist);
@@ -743,7 +882,7 @@ fn bad_egress_entries_name_the_key() {
         (":443", "empty"),
     ] {
         let reason = section_error(
-            &format!("[local]\nnetwork = \"allowlist\"\negress = [{bad:?}]"),
+            &format!("[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [{bad:?}]"),
             "session_runtime.local.egress",
         );
         assert!(reason.contains(says), "{bad}: {reason}");
@@ -754,21 +893,21 @@ fn bad_egress_entries_name_the_key() {
 #[test]
 fn egress_needs_the_allowlist_mode_and_a_sandbox() {
     let reason = section_error(
-        "[local]\negress = [\"api.example.com:443\"]",
+        "[local]\nstorage = \"per-session\"\negress = [\"api.example.com:443\"]",
         "session_runtime.local.egress",
     );
     assert!(reason.contains("network = \"allowlist\""), "{reason}");
     section_error(
-        "[local]\nnetwork = \"none\"\negress = [\"api.example.com:443\"]",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"none\"\negress = [\"api.example.com:443\"]",
         "session_runtime.local.egress",
     );
     let reason = section_error(
-        "[local]\nsandbox = \"none\"\nnetwork = \"allowlist\"",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"none\"\nnetwork = \"allowlist\"",
         "session_runtime.local.network",
     );
     assert!(reason.contains("needs a sandbox"), "{reason}");
     let reason = section_error(
-        "[local]\nnetwork = \"allowlist\"\negress = [\"a.example:1\", \"A.example:1\"]",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [\"a.example:1\", \"A.example:1\"]",
         "session_runtime.local.egress",
     );
     assert!(reason.contains("entries 1 and 2"), "{reason}");

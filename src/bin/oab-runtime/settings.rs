@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use openab_runtime::config::SessionRuntimeConfig;
+use openab_runtime::config::{SandboxMode, SessionRuntimeConfig, StorageMode};
 use openab_runtime::{AgentCommand, Error};
 use serde::Deserialize;
 
@@ -35,13 +35,15 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// Reads `path`, or the defaults (local runtime, sandbox `auto`) without one.
+    /// Reads `path`, as the broker reads it. Without a file: the local runtime with per-session
+    /// storage and sandbox `auto`, what this tool is for (an empty `[session_runtime]` section
+    /// means upstream's shared storage, which has no sessions to list and nothing to verify).
     pub(crate) fn load(path: Option<&Path>) -> Result<Self, Error> {
         let Some(path) = path else {
-            return Ok(Self {
-                runtime: SessionRuntimeConfig::default(),
-                agent: None,
-            });
+            let mut runtime = SessionRuntimeConfig::default();
+            runtime.local.storage = StorageMode::PerSession;
+            runtime.local.sandbox = SandboxMode::Auto;
+            return Ok(Self { runtime, agent: None });
         };
         let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
             key: path.display().to_string(),

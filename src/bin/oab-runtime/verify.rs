@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use isolation_suite::{SharedInput, SuiteOptions};
-use openab_runtime::config::{RuntimeKind, SandboxMode};
+use openab_runtime::config::{RuntimeKind, SandboxMode, StorageMode};
 use openab_runtime::{Error, IsolationLevel};
 
 use crate::commands::{bundled_test_agent, Outcome};
@@ -17,6 +17,18 @@ pub(crate) async fn run(
 ) -> Outcome {
     if settings.runtime.runtime == RuntimeKind::Kubernetes {
         return kubernetes(settings, shared_input).await;
+    }
+    if settings.runtime.runtime == RuntimeKind::Local && settings.runtime.local.storage == StorageMode::Shared
+    {
+        // Nothing to probe, and probing would plant sentinels in the broker's own HOME.
+        eprintln!(
+            "oab-runtime verify: isolation level none. storage = \"shared\" (upstream OpenAB's \
+             behaviour, the default) isolates nothing: every session's agent runs in the same \
+             working directory with the broker's HOME, user and network, so every session can \
+             read, change and delete every other's files. No probe was run. To isolate sessions, \
+             set storage = \"per-session\" and sandbox = \"auto\" in [session_runtime.local]."
+        );
+        return Ok(ExitCode::from(1));
     }
     // The suite drives the bundled test agent: its exec probe is the shell inside each session.
     let agent = bundled_test_agent()?;
