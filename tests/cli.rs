@@ -865,10 +865,11 @@ fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
     let chmod = |path: &std::path::Path, mode: u32| {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
     };
-    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own.
+    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own: not the target
+    // directory either, which is under /tmp when the checkout is.
     let install = tempfile::Builder::new()
-        .prefix("cli-agent-")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .prefix("oab-cli-agent-")
+        .tempdir_in("/var/tmp")
         .expect("an installation directory");
     chmod(install.path(), 0o755);
     for (dir, file, text, mode) in [

@@ -31,11 +31,12 @@ use tokio::io::AsyncReadExt;
 const MODES: [SandboxMode; 3] = [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock];
 const INSTALLATION: &str = "agent-files";
 
-/// A directory for an agent's installation, readable by every user, outside `/tmp`.
+/// A directory for an agent's installation, readable by every user, outside `/tmp` (not in the
+/// target directory, which is under `/tmp` when the checkout is).
 fn install_dir(name: &str) -> tempfile::TempDir {
     let dir = tempfile::Builder::new()
-        .prefix(name)
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .prefix(&format!("oab-{name}"))
+        .tempdir_in("/var/tmp")
         .expect("an installation directory");
     chmod(dir.path(), 0o755);
     dir
