@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use agentcore_emulator::{Emulator, EmulatorBuilder, WorkerCommand};
+use agentcore_emulator::{Emulator, EmulatorBuilder, LocalLauncher, WorkerCommand};
 use aws_credential_types::provider::SharedCredentialsProvider;
 use aws_credential_types::Credentials;
 use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
@@ -86,12 +86,12 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
         config,
         runtime: Box::new(|builder| builder),
     });
-    let emulator = setup
-        .emulator
-        .worker_command(setup.worker)
-        .start()
-        .await
-        .expect("the emulator starts");
+    // A worker that silently ran unsandboxed would make the isolation suite prove nothing.
+    let launcher = LocalLauncher::builder(setup.worker)
+        .require_sandbox(true)
+        .build()
+        .expect("the emulator's workers need a working sandbox: install bubblewrap");
+    let emulator = setup.emulator.launcher(launcher).start().await.expect("the emulator starts");
     let mut config = setup.config;
     config.runtime_arn = emulator.runtime_arn().to_string();
     config.endpoint_url = Some(emulator.endpoint_url());
@@ -169,11 +169,37 @@ pub fn relay_and_agent() -> (PathBuf, PathBuf) {
             if profile.file_name().is_some_and(|name| name == "release") {
                 build.arg("--release");
             }
-            let started = SystemTime::now();
             let status = build.status().expect("run cargo build");
             assert!(status.success(), "building oab-relay and acp-test-agent failed");
-            tracing::debug!(took = ?started.elapsed(), "workers built");
-            (profile.join("oab-relay"), profile.join("acp-test-agent"))
+            (
+                outside_tmp(&profile.join("oab-relay")),
+                outside_tmp(&profile.join("acp-test-agent")),
+            )
         })
         .clone()
+}
+
+/// `binary`, or a copy of it under `/var/tmp` when it lies under `/tmp` (the target directory of a
+/// checkout there): a sandboxed worker has a `/tmp` of its own and could not see it.
+fn outside_tmp(binary: &Path) -> PathBuf {
+    if !binary.starts_with("/tmp") {
+        return binary.to_owned();
+    }
+    let meta = std::fs::metadata(binary).expect("the built binary");
+    let stamp = meta
+        .modified()
+        .ok()
+        .and_then(|m| m.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let dir = PathBuf::from(format!("/var/tmp/oab-agentcore-tests/{stamp}-{}", meta.len()));
+    let copy = dir.join(binary.file_name().expect("a file name"));
+    if copy.exists() {
+        return copy;
+    }
+    std::fs::create_dir_all(&dir).expect("a directory under /var/tmp");
+    // Copied beside, then renamed: test processes running at once never see half a binary.
+    let partial = dir.join(format!(".{}-{}", std::process::id(), binary.display().to_string().len()));
+    std::fs::copy(binary, &partial).expect("copy the binary");
+    std::fs::rename(&partial, &copy).expect("rename the copy");
+    copy
 }
