@@ -91,7 +91,12 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
         .require_sandbox(true)
         .build()
         .expect("the emulator's workers need a working sandbox: install bubblewrap");
-    let emulator = setup.emulator.launcher(launcher).start().await.expect("the emulator starts");
+    let emulator = setup
+        .emulator
+        .launcher(launcher)
+        .start()
+        .await
+        .expect("the emulator starts");
     let mut config = setup.config;
     config.runtime_arn = emulator.runtime_arn().to_string();
     config.endpoint_url = Some(emulator.endpoint_url());
@@ -198,7 +203,11 @@ fn outside_tmp(binary: &Path) -> PathBuf {
     }
     std::fs::create_dir_all(&dir).expect("a directory under /var/tmp");
     // Copied beside, then renamed: test processes running at once never see half a binary.
-    let partial = dir.join(format!(".{}-{}", std::process::id(), binary.display().to_string().len()));
+    let partial = dir.join(format!(
+        ".{}-{}",
+        std::process::id(),
+        binary.display().to_string().len()
+    ));
     std::fs::copy(binary, &partial).expect("copy the binary");
     std::fs::rename(&partial, &copy).expect("rename the copy");
     copy
