@@ -135,15 +135,23 @@ const SHELL: &str = "/bin/sh";
 /// `$0` of that shell: what its own error messages are prefixed with.
 const JOIN_NAME: &str = "oab-join-cgroup";
 
-/// Writes its own pid into each of the `$1` files that follow, then executes the rest of its
-/// arguments. Only shell built-ins run before the `exec`, so the worker is in its cgroups before
-/// its first instruction (and before anything it could fork). 125: a cgroup could not be joined.
+/// Writes its own pid into each of the `$1` files that follow, announces the join on stdout
+/// with [`JOINED`], then executes the rest of its arguments. Only shell built-ins run before the
+/// `exec`, so the worker is in its cgroups before its first instruction (and before anything it
+/// could fork). 125: a cgroup could not be joined (and nothing was announced).
 const JOIN_SCRIPT: &str = r#"n=$1; shift
 while [ "$n" -gt 0 ]; do
   echo $$ > "$1" || exit 125
   n=$((n - 1)); shift
 done
+printf J
 exec "$@""#;
+
+/// The byte the joining shell writes to the worker's stdout once it is in every cgroup, before
+/// the program starts: the runtime reads it off (see `wait_joined`) instead of polling
+/// `cgroup.procs`, so `attach` learns of the join the moment it happens, and the program's own
+/// output, which can only follow the `exec`, starts right after it.
+pub(crate) const JOINED: u8 = b'J';
 
 /// Whether [`join_at_exec`] can be used on this host.
 pub(crate) fn can_join_at_exec() -> bool {
@@ -629,13 +637,6 @@ impl LimitsHandle {
                 error,
             )
         })
-    }
-
-    /// Whether the process `pid` is in every one of these cgroups.
-    pub(crate) fn holds(&self, pid: u32) -> bool {
-        self.groups
-            .iter()
-            .all(|group| members(&group.dir).is_ok_and(|members| members.contains(&pid)))
     }
 
     /// Whether the kernel killed a process in these cgroups for exceeding the memory limit.
