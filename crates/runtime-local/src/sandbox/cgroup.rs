@@ -274,11 +274,28 @@ impl CgroupHost {
     ///
     /// Why no hierarchy is usable.
     pub(crate) fn detect() -> Result<Self, String> {
+        /// The last texts parsed and what they gave: both files are read again every time (a
+        /// mount, or a move of the broker to another cgroup, is seen at once), but parsing them,
+        /// most of what detecting cost per worker start, is done only when they changed.
+        static LAST: parking_lot::Mutex<Option<(String, String, CgroupHost)>> = parking_lot::Mutex::new(None);
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?;
         let cgroups = std::fs::read_to_string("/proc/self/cgroup")
             .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
-        let host = Self::parse(&mountinfo, &cgroups);
+        let mut last = LAST.lock();
+        let host = match &*last {
+            Some((seen_mounts, seen_cgroups, host))
+                if *seen_mounts == mountinfo && *seen_cgroups == cgroups =>
+            {
+                host.clone()
+            }
+            _ => {
+                let host = Self::parse(&mountinfo, &cgroups);
+                *last = Some((mountinfo, cgroups, host.clone()));
+                host
+            }
+        };
+        drop(last);
         if host.v2.is_none() && host.v1.is_empty() {
             return Err("no cgroup filesystem is mounted where this process can see it".to_owned());
         }
