@@ -278,6 +278,10 @@ const COUNT_LARGE: u64 = 12;
 /// difference of two callgrind runs, per extra cycle. The agent (and in plain mode the shell
 /// that joins the cgroups) runs natively and is not counted, alike in both modes.
 fn instructions_per_cycle(mode: &str) -> Option<f64> {
+    if std::env::var_os("OAB_BENCH_NO_INSTRUCTIONS").is_some() {
+        // Repeated timing runs: the counts do not change from run to run.
+        return None;
+    }
     let count = |cycles: u64| -> Option<u64> {
         let output = std::process::Command::new("valgrind")
             .args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
@@ -410,6 +414,6 @@ fn main() {
             "broker instructions per cycle (callgrind): direct {direct:.0}, plain {plain:.0}: {:.2}x",
             plain / direct
         ),
-        _ => println!("instructions per cycle: not measured (valgrind --tool=callgrind did not run)"),
+        _ => println!("instructions per cycle: not measured (valgrind --tool=callgrind did not run, or OAB_BENCH_NO_INSTRUCTIONS is set)"),
     }
 }
