@@ -10,7 +10,8 @@
 //! does everything the relay does except what is measured (framing, sequencing, acknowledgements,
 //! replay buffering, fencing): the same agent with the same lines, started by a forwarding
 //! process (this binary again) that copies its stdout to one loopback TCP connection and the
-//! connection to its stdin, with `TCP_NODELAY`, on a current-thread runtime like the relay's;
+//! connection to its stdin, with `TCP_NODELAY`, the relay's buffer and pipe sizes (256 KiB reads,
+//! 1 MiB pipes) and a current-thread runtime like the relay's;
 //! the benchmark reads and writes that connection as the client would. The old baselines are kept
 //! as references: `raw_pipe` (the agent as a direct child, one hop less) and `raw_tcp` (a TCP
 //! peer in this process, no agent at all).
@@ -150,13 +151,19 @@ fn forward_main() {
         socket.set_nodelay(true).expect("nodelay");
         let (mut from_client, mut to_client) = socket.into_split();
         let mut stdin = agent.stdin.take().expect("stdin");
-        let mut stdout = agent.stdout.take().expect("stdout");
+        let stdout = agent.stdout.take().expect("stdout");
+        // The relay's buffer and pipe sizes (256 KiB reads, 1 MiB pipes), so that the baseline
+        // is not slower for want of them.
+        let _ = rustix::pipe::fcntl_setpipe_size(&stdin, 1 << 20);
+        let _ = rustix::pipe::fcntl_setpipe_size(&stdout, 1 << 20);
+        let mut stdout = BufReader::with_capacity(256 * 1024, stdout);
+        let mut from_client = BufReader::with_capacity(256 * 1024, &mut from_client);
         let input = async {
-            let _ = tokio::io::copy(&mut from_client, &mut stdin).await;
+            let _ = tokio::io::copy_buf(&mut from_client, &mut stdin).await;
             drop(stdin);
         };
         let output = async {
-            let _ = tokio::io::copy(&mut stdout, &mut to_client).await;
+            let _ = tokio::io::copy_buf(&mut stdout, &mut to_client).await;
             let _ = to_client.shutdown().await;
         };
         tokio::join!(input, output);
