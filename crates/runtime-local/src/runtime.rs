@@ -368,7 +368,7 @@ impl LocalRuntime {
             }
             Err(error) => Err(error),
         };
-        let spawned = match started {
+        let mut spawned = match started {
             Ok(spawned) => spawned,
             Err(error) => {
                 remove_cgroups(&id, limits.as_ref());
@@ -380,7 +380,7 @@ impl LocalRuntime {
             worker.process = Some(spawned.worker.process);
         }
         let joined = match (&limits, joins_at_exec) {
-            (Some(handle), true) => wait_joined(handle, spawned.worker.as_ref()).await,
+            (Some(_), true) => wait_joined(&mut spawned.stdout, spawned.worker.as_ref()).await,
             (Some(handle), false) => handle.adopt(spawned.worker.process.pid),
             (None, _) => Ok(()),
         };
@@ -764,31 +764,41 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
 /// How long a worker may take to join its cgroups (a few shell built-ins) before it is killed.
 const CGROUP_JOIN_WAIT: Duration = Duration::from_secs(5);
 
-/// Waits until `worker` has joined the cgroups of `handle` (its program starts only then), so
-/// that when `attach` returns, the cgroups account for it, or until it has exited (it could not
-/// join; its exit says why).
+/// Waits until `worker` has joined its cgroups (its program starts only then), so that when
+/// `attach` returns, the cgroups account for it, or until it has exited (it could not join; its
+/// exit says why).
+///
+/// The joining shell announces the join with one byte on the worker's stdout
+/// ([`JOINED`](crate::sandbox::cgroup::JOINED)), read off here before the attachment gets the
+/// stream: waking on it costs nothing and is exact, where polling `cgroup.procs` cost a timer
+/// tick (a millisecond or more) per attach.
 ///
 /// # Errors
 ///
-/// [`Error::Backend`] if it is still outside after [`CGROUP_JOIN_WAIT`].
-async fn wait_joined(handle: &LimitsHandle, worker: &LocalWorker) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + CGROUP_JOIN_WAIT;
-    loop {
-        if handle.holds(worker.process.pid) || !session_runtime::WorkerControl::is_alive(worker) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(Error::Backend {
-                runtime: RUNTIME,
-                retryable: true,
-                message: format!(
-                    "worker {} did not join its cgroups within {CGROUP_JOIN_WAIT:?}",
-                    worker.process.pid
-                ),
-                source: None,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+/// [`Error::Backend`] if neither happened within [`CGROUP_JOIN_WAIT`], or the worker's first
+/// byte was not the announcement.
+async fn wait_joined(stdout: &mut tokio::process::ChildStdout, worker: &LocalWorker) -> Result<()> {
+    use tokio::io::AsyncReadExt;
+    let mut first = [0u8; 1];
+    let read = tokio::time::timeout(CGROUP_JOIN_WAIT, stdout.read(&mut first)).await;
+    let failure = |what: String| Error::Backend {
+        runtime: RUNTIME,
+        retryable: true,
+        message: format!("worker {} {what}", worker.process.pid),
+        source: None,
+    };
+    match read {
+        // Joined.
+        Ok(Ok(1)) if first[0] == crate::sandbox::cgroup::JOINED => Ok(()),
+        // Its stdout ended before the announcement: it exited without joining.
+        Ok(Ok(0)) => Ok(()),
+        Ok(Ok(_)) => Err(failure("wrote to its stdout before joining its cgroups".into())),
+        Ok(Err(error)) => Err(failure(format!(
+            "could not be watched joining its cgroups: {error}"
+        ))),
+        Err(_) => Err(failure(format!(
+            "did not join its cgroups within {CGROUP_JOIN_WAIT:?}"
+        ))),
     }
 }
 

@@ -135,15 +135,23 @@ const SHELL: &str = "/bin/sh";
 /// `$0` of that shell: what its own error messages are prefixed with.
 const JOIN_NAME: &str = "oab-join-cgroup";
 
-/// Writes its own pid into each of the `$1` files that follow, then executes the rest of its
-/// arguments. Only shell built-ins run before the `exec`, so the worker is in its cgroups before
-/// its first instruction (and before anything it could fork). 125: a cgroup could not be joined.
+/// Writes its own pid into each of the `$1` files that follow, announces the join on stdout
+/// with [`JOINED`], then executes the rest of its arguments. Only shell built-ins run before the
+/// `exec`, so the worker is in its cgroups before its first instruction (and before anything it
+/// could fork). 125: a cgroup could not be joined (and nothing was announced).
 const JOIN_SCRIPT: &str = r#"n=$1; shift
 while [ "$n" -gt 0 ]; do
   echo $$ > "$1" || exit 125
   n=$((n - 1)); shift
 done
+printf J
 exec "$@""#;
+
+/// The byte the joining shell writes to the worker's stdout once it is in every cgroup, before
+/// the program starts: the runtime reads it off (see `wait_joined`) instead of polling
+/// `cgroup.procs`, so `attach` learns of the join the moment it happens, and the program's own
+/// output, which can only follow the `exec`, starts right after it.
+pub(crate) const JOINED: u8 = b'J';
 
 /// Whether [`join_at_exec`] can be used on this host.
 pub(crate) fn can_join_at_exec() -> bool {
@@ -266,11 +274,28 @@ impl CgroupHost {
     ///
     /// Why no hierarchy is usable.
     pub(crate) fn detect() -> Result<Self, String> {
+        /// The last texts parsed and what they gave: both files are read again every time (a
+        /// mount, or a move of the broker to another cgroup, is seen at once), but parsing them,
+        /// most of what detecting cost per worker start, is done only when they changed.
+        static LAST: parking_lot::Mutex<Option<(String, String, CgroupHost)>> = parking_lot::Mutex::new(None);
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?;
         let cgroups = std::fs::read_to_string("/proc/self/cgroup")
             .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
-        let host = Self::parse(&mountinfo, &cgroups);
+        let mut last = LAST.lock();
+        let host = match &*last {
+            Some((seen_mounts, seen_cgroups, host))
+                if *seen_mounts == mountinfo && *seen_cgroups == cgroups =>
+            {
+                host.clone()
+            }
+            _ => {
+                let host = Self::parse(&mountinfo, &cgroups);
+                *last = Some((mountinfo, cgroups, host.clone()));
+                host
+            }
+        };
+        drop(last);
         if host.v2.is_none() && host.v1.is_empty() {
             return Err("no cgroup filesystem is mounted where this process can see it".to_owned());
         }
@@ -629,13 +654,6 @@ impl LimitsHandle {
                 error,
             )
         })
-    }
-
-    /// Whether the process `pid` is in every one of these cgroups.
-    pub(crate) fn holds(&self, pid: u32) -> bool {
-        self.groups
-            .iter()
-            .all(|group| members(&group.dir).is_ok_and(|members| members.contains(&pid)))
     }
 
     /// Whether the kernel killed a process in these cgroups for exceeding the memory limit.
