@@ -37,9 +37,21 @@ fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Where the agents are installed: `<target>/real-acp-agents`, or `/var/tmp/oab-real-acp-agents`
+/// when the target directory is under `/tmp`, which a bubblewrap sandbox replaces with its own
+/// (`scripts/test` makes the same choice).
+fn agents_dir() -> PathBuf {
+    let target = target_dir();
+    if target.starts_with("/tmp") {
+        PathBuf::from("/var/tmp/oab-real-acp-agents")
+    } else {
+        target.join("real-acp-agents")
+    }
+}
+
 /// Installs the agents (a no-op when up to date) and returns their directory.
 fn installed_agents() -> PathBuf {
-    let dest = target_dir().join("real-acp-agents");
+    let dest = agents_dir();
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/real-agents/install.sh"
