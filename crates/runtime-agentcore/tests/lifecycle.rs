@@ -45,11 +45,17 @@ async fn create_provisions_nothing_remote_and_attach_reaches_the_agent() {
         .session_storage(&rsid)
         .await
         .expect("session storage");
-    assert!(
-        attachment.working_dir().ends_with("workspace")
-            || std::path::Path::new(attachment.working_dir()) == storage,
-        "the working directory is the session storage: {} vs {}",
-        attachment.working_dir(),
+    // The relay reports the session storage as the agent sees it: bubblewrap shows it at
+    // /workspace; without a mount namespace it is the host path.
+    let expected = if harness.emulator.sandbox().isolation == session_runtime::IsolationLevel::Namespaces {
+        std::path::PathBuf::from("/workspace")
+    } else {
+        storage.clone()
+    };
+    assert_eq!(
+        std::path::Path::new(attachment.working_dir()),
+        expected,
+        "the working directory is the session storage ({})",
         storage.display()
     );
     attachment
