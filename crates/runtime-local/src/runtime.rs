@@ -14,7 +14,7 @@ use rustix::process::Signal;
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
     ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
-    SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure,
+    SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure, WorkspaceSeed,
 };
 
 use crate::egress::EgressProxy;
@@ -151,6 +151,12 @@ impl LocalRuntime {
         if held.lock.is_some() {
             return Ok(());
         }
+        held.lock = Some(Self::lock_session(id, dirs, record)?);
+        Ok(())
+    }
+
+    /// Takes the session's flock, or says who holds it.
+    fn lock_session(id: SessionId, dirs: &SessionDirs, record: Option<&SessionRecord>) -> Result<OwnerLock> {
         // Never through a symbolic link: one planted as the lock would make this create a file
         // wherever it points.
         let file = fs::OpenOptions::new()
@@ -161,10 +167,7 @@ impl LocalRuntime {
             .open(dirs.lock())
             .map_err(|e| storage_error("opening a session lock", e))?;
         match file.try_lock() {
-            Ok(()) => {
-                held.lock = Some(OwnerLock(file));
-                Ok(())
-            }
+            Ok(()) => Ok(OwnerLock(file)),
             Err(fs::TryLockError::WouldBlock) => Err(Error::StorageInUse {
                 id,
                 holder: match record.and_then(|r| r.worker) {
@@ -173,6 +176,42 @@ impl LocalRuntime {
                 },
             }),
             Err(fs::TryLockError::Error(e)) => Err(storage_error("locking a session", e)),
+        }
+    }
+
+    /// Holds a [`WorkspaceSeed::CopyOf`] source against attach for the copy: the caller holds
+    /// the source's lifecycle lock (`held`), and this takes its flock unless this process already
+    /// has it, so no broker can start a worker there until the returned lock drops.
+    ///
+    /// # Errors
+    /// [`Error::StorageInUse`] if the source has a worker or another process holds it,
+    /// [`Error::NotFound`] if it does not exist, [`Error::InvalidState`] if it is closed.
+    fn lend(&self, source: SessionId, held: &Held) -> Result<(SessionDirs, Option<OwnerLock>)> {
+        let in_use = |holder: String| Error::StorageInUse { id: source, holder };
+        if held.worker.is_some() {
+            return Err(in_use(
+                "its worker runs in this broker; suspend the session first".into(),
+            ));
+        }
+        let record = self.load(&source)?.ok_or(Error::NotFound { id: source })?;
+        let dirs = self.dirs(&source);
+        let lock = match held.lock {
+            Some(_) => None,
+            None => Some(Self::lock_session(source, &dirs, Some(&record))?),
+        };
+        // Read again under the lock: the broker that held it may have changed it.
+        let record = self.load(&source)?.ok_or(Error::NotFound { id: source })?;
+        match record.phase {
+            Phase::Provisioning => Err(in_use("it is still being provisioned".into())),
+            Phase::Session(SessionState::Closing | SessionState::Closed) => Err(Error::InvalidState {
+                id: source,
+                state: record.state(),
+                operation: "copy its storage",
+            }),
+            Phase::Session(_) if record.worker.is_some() => Err(in_use(
+                "a worker is recorded for it (a broker that stopped without suspending it); attach and suspend it first".into(),
+            )),
+            Phase::Session(_) => Ok((dirs, lock)),
         }
     }
 
@@ -693,6 +732,7 @@ impl LocalRuntime {
         held: &mut Held,
         generation: u64,
         incarnation: u64,
+        copy_from: Option<&SessionDirs>,
     ) -> Result<SessionRecord> {
         let id = identity.id();
         let dirs = self.dirs(&id);
@@ -723,7 +763,7 @@ impl LocalRuntime {
             fs::create_dir_all(dir).map_err(|e| storage_error("creating session storage", e))?;
         }
         record.uid = self.sandbox.allocate_uid(&self.settings.root, &id)?;
-        seed::provision(&self.settings, &dirs, options, record.uid).await?;
+        seed::provision(&self.settings, &dirs, options, copy_from, record.uid).await?;
         self.sandbox.prepare_storage(&dirs, record.uid)?;
         record.phase = Phase::Session(SessionState::Created);
         self.store(&record)?;
@@ -936,8 +976,38 @@ impl SessionRuntime for LocalRuntime {
         // A session whose agent could not run fails here, before any of its storage exists.
         self.sandbox
             .check_needs(&self.agent_needs()?, &self.settings.root, None)?;
+        let copy_source = match &options.workspace_seed {
+            Some(WorkspaceSeed::CopyOf { source }) if *source == id => {
+                return Err(Error::InvalidArgument {
+                    reason: format!("session {id} cannot be seeded with a copy of its own storage"),
+                })
+            }
+            Some(WorkspaceSeed::CopyOf { source }) => Some((*source, self.slot(source))),
+            _ => None,
+        };
+        // The source's lifecycle lock, then its flock, for as long as the copy takes; never
+        // waited on (two creates copying each other would deadlock), and released on drop if this
+        // call is cancelled.
+        let source_held = match &copy_source {
+            Some((source, slot)) => Some(slot.held.try_lock().map_err(|_| Error::StorageInUse {
+                id: *source,
+                holder: "another operation on it in this broker".into(),
+            })?),
+            None => None,
+        };
+        let lent = match (&copy_source, &source_held) {
+            (Some((source, _)), Some(source_held)) => Some(self.lend(*source, source_held)?),
+            _ => None,
+        };
         let record = self
-            .provision(identity, options, &mut held, generation, incarnation)
+            .provision(
+                identity,
+                options,
+                &mut held,
+                generation,
+                incarnation,
+                lent.as_ref().map(|(dirs, _)| dirs),
+            )
             .await?;
         Ok(SessionHandle::new(id, record.state(), record.generation, true))
     }

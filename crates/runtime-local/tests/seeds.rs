@@ -244,3 +244,141 @@ async fn a_failed_clone_is_a_typed_error_and_the_next_create_starts_clean() {
     drop(client);
     runtime.close(&id, CloseReason::Reset).await.expect("close");
 }
+
+fn copy_of(source: &SessionIdentity) -> CreateOptions {
+    CreateOptions::new().with_workspace_seed(WorkspaceSeed::CopyOf { source: source.id() })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refused() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let template = home_template(scratch.path());
+
+    let mut ran = Vec::new();
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = scratch.path().join(format!("copy-root-{mode}"));
+        let Some(runtime) = build(mode, &root, &template) else {
+            continue;
+        };
+        let thread = |name: &str| {
+            SessionIdentity::new(INSTALLATION, "agent", "slack", format!("{name}-{mode}")).expect("identity")
+        };
+        let (source, fork, other) = (thread("source"), thread("fork"), thread("other"));
+        runtime
+            .create(&source, &CreateOptions::new())
+            .await
+            .expect("create source");
+        let client = AcpClient::new(runtime.attach(&source.id()).await.expect("attach source"));
+        client.initialize().await.expect("initialize");
+        let wrote = client
+            .exec(
+                "mkdir -p src && echo 'fn main() {}' > src/main.rs && echo 'from the source' > notes.txt \
+                 && ln -s notes.txt latest && echo 'source state' > \"$HOME/.agent-state\" && echo wrote",
+            )
+            .await
+            .expect("exec in the source");
+        assert!(wrote.stdout.contains("wrote"), "{mode}: {}", wrote.stderr);
+
+        // Attached: its worker may be writing, so the copy is refused at once and makes nothing.
+        match runtime.create(&fork, &copy_of(&source)).await {
+            Err(Error::StorageInUse { id, .. }) => assert_eq!(id, source.id(), "{mode}"),
+            other => panic!("{mode}: a copy of an attached session must be refused, got {other:?}"),
+        }
+        assert!(
+            matches!(runtime.status(&fork.id()).await, Err(Error::NotFound { .. })),
+            "{mode}: a refused copy creates nothing"
+        );
+        drop(client);
+        runtime
+            .suspend(&source.id(), session_runtime::SuspendReason::Idle)
+            .await
+            .expect("suspend source");
+
+        // Held by another broker process (here, a second runtime on the same root): refused too.
+        let second = build(mode, &root, &template).expect("second runtime");
+        let held = second
+            .attach(&source.id())
+            .await
+            .expect("attach from the second broker");
+        match runtime.create(&other, &copy_of(&source)).await {
+            Err(Error::StorageInUse { id, .. }) => assert_eq!(id, source.id(), "{mode}"),
+            other => panic!("{mode}: a copy of a session another broker runs must be refused, got {other:?}"),
+        }
+        drop(held);
+        second
+            .suspend(&source.id(), session_runtime::SuspendReason::Idle)
+            .await
+            .expect("suspend from the second broker");
+        drop(second);
+
+        // Idle: the fork gets the workspace and HOME, as its own user's, and changes only its copy.
+        runtime
+            .create(&fork, &copy_of(&source))
+            .await
+            .expect("create the fork");
+        let client = AcpClient::new(runtime.attach(&fork.id()).await.expect("attach fork"));
+        client.initialize().await.expect("initialize");
+        let probe = client
+            .exec(
+                "cat notes.txt src/main.rs \"$HOME/.agent-state\"; echo \"link $(readlink latest)\"; \
+                 echo \"owner $(stat -c %u notes.txt) $(stat -c %u \"$HOME/.agent-state\") me $(id -u)\"; \
+                 test -f \"$HOME/.config/agent/credentials.json\" && echo template; \
+                 echo 'changed in the fork' > notes.txt && echo wrote",
+            )
+            .await
+            .expect("exec in the fork");
+        let out = &probe.stdout;
+        let context = format!("{mode}:\n{out}\n{}", probe.stderr);
+        for expected in [
+            "from the source",
+            "fn main() {}",
+            "source state",
+            "link notes.txt",
+            "template",
+            "wrote",
+        ] {
+            assert!(out.contains(expected), "{expected:?} in the fork: {context}");
+        }
+        let owner = out
+            .lines()
+            .find_map(|line| line.strip_prefix("owner "))
+            .unwrap_or_else(|| panic!("no owner line: {context}"));
+        let ids: Vec<&str> = owner.split_whitespace().collect();
+        assert_eq!(ids.len(), 4, "{context}");
+        assert_eq!(
+            (ids[0], ids[1]),
+            (ids[3], ids[3]),
+            "the copy belongs to the fork's user: {context}"
+        );
+        drop(client);
+
+        let client = AcpClient::new(runtime.attach(&source.id()).await.expect("attach source again"));
+        client.initialize().await.expect("initialize");
+        let probe = client.exec("cat notes.txt").await.expect("exec in the source");
+        assert_eq!(
+            probe.stdout.trim(),
+            "from the source",
+            "{mode}: the source is unchanged"
+        );
+        drop(client);
+
+        match runtime.create(&thread("self"), &copy_of(&thread("self"))).await {
+            Err(Error::InvalidArgument { .. }) => {}
+            other => panic!("{mode}: a copy of itself must be refused, got {other:?}"),
+        }
+        match runtime.create(&other, &copy_of(&thread("never-created"))).await {
+            Err(Error::NotFound { .. }) => {}
+            other => panic!("{mode}: a copy of an unknown session must be NotFound, got {other:?}"),
+        }
+        for identity in [&source, &fork] {
+            runtime
+                .close(&identity.id(), CloseReason::Reset)
+                .await
+                .expect("close");
+        }
+        ran.push(mode);
+    }
+    assert!(ran.contains(&SandboxMode::None), "plain mode always runs");
+    println!("checked: {ran:?}");
+}

@@ -51,7 +51,11 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///
     /// # Errors
     /// - [`InvalidIdentity`](crate::Error::InvalidIdentity) if the identity names another installation.
-    /// - [`StorageInUse`](crate::Error::StorageInUse) if another process holds the session's record.
+    /// - [`StorageInUse`](crate::Error::StorageInUse) if another process holds the session's record,
+    ///   or a [`WorkspaceSeed::CopyOf`](crate::WorkspaceSeed::CopyOf) source has a worker or is held.
+    /// - [`NotFound`](crate::Error::NotFound) or [`InvalidState`](crate::Error::InvalidState) if a
+    ///   copy's source does not exist or is closed.
+    /// - [`Unsupported`](crate::Error::Unsupported) for a seed the backend cannot apply.
     /// - [`Backend`](crate::Error::Backend) if provisioning failed; nothing half-made is left that
     ///   a retry or `reconcile` cannot finish.
     ///

@@ -280,6 +280,20 @@ pub enum WorkspaceSeed {
         /// A branch or tag to check out; the remote's default when `None`.
         reference: Option<String>,
     },
+    /// Copy another session's storage (its workspace and HOME) into the new one, for example
+    /// to fork a thread's work. The source is another session of the same runtime installation,
+    /// and it must be idle: created or suspended, with no worker. The copy is taken while the
+    /// source is held against attach, so no worker writes it meanwhile; it is never waited on.
+    ///
+    /// A backend refuses a source that has a worker, or that another operation holds, with
+    /// [`Error::StorageInUse`](crate::Error::StorageInUse) naming the source; an unknown source
+    /// is [`Error::NotFound`](crate::Error::NotFound), a closed one
+    /// [`Error::InvalidState`](crate::Error::InvalidState), the session itself
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    CopyOf {
+        /// The session whose storage is copied.
+        source: SessionId,
+    },
 }
 
 /// Per-call options of `create`.

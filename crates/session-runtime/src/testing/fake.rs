@@ -15,7 +15,7 @@ use crate::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, ExitCell, Fence,
     FenceTrigger, Generation, IsolationLevel, ReconcileReport, Result, RetentionPolicy, SessionHandle,
     SessionId, SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState, SuspendReason,
-    WorkerControl, WorkerExit, WorkerInfo, WorkspaceSeed,
+    WorkerControl, WorkerExit, WorkerInfo,
 };
 
 const RUNTIME: &str = "fake";
@@ -286,9 +286,9 @@ impl SessionRuntime for FakeRuntime {
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.installation)?;
-        if let Some(WorkspaceSeed::GitClone { .. }) = options.workspace_seed {
+        if options.workspace_seed.is_some() {
             return Err(Error::Unsupported {
-                operation: "git workspace seeds",
+                operation: "workspace seeds",
                 runtime: RUNTIME,
             });
         }
