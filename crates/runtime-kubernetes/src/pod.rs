@@ -295,10 +295,13 @@ pub(crate) fn restricted_pod() -> PodSecurityContext {
 /// Where a session's workspace and HOME live on its volume: a borrowed claim is one volume for
 /// every session of the profile, so each session gets a directory of its own on it.
 pub(crate) fn session_dirs(profile: &WorkerProfile, id: &SessionId) -> (String, String) {
-    let base = match &profile.storage {
-        Storage::Borrowed { .. } => format!("{id}/"),
-        _ => String::new(),
-    };
+    dirs_on_volume(matches!(profile.storage, Storage::Borrowed { .. }), id)
+}
+
+/// The session's workspace and HOME directories, relative to its volume: a volume of its own
+/// holds them at the top, a borrowed one (shared by sessions) under the session's id.
+pub(crate) fn dirs_on_volume(borrowed: bool, id: &SessionId) -> (String, String) {
+    let base = if borrowed { format!("{id}/") } else { String::new() };
     (format!("{base}{WORKSPACE_DIR}"), format!("{base}{HOME_DIR}"))
 }
 

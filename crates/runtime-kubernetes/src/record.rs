@@ -96,11 +96,32 @@ pub(crate) struct RetainedClaim {
 }
 
 /// The workspace seed a create asked for, kept until the volume is seeded, so that whoever
-/// finishes an interrupted create seeds it the same way.
+/// finishes an interrupted create seeds it the same way. Untagged: records written before
+/// copies existed hold the clone's fields alone.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct SeedRecord {
-    pub(crate) git_url: String,
-    pub(crate) git_reference: Option<String>,
+#[serde(untagged)]
+pub(crate) enum SeedRecord {
+    GitClone {
+        git_url: String,
+        git_reference: Option<String>,
+    },
+    CopyOf {
+        copy_of: SessionId,
+    },
+}
+
+/// A copy of this session's storage into another session's, in progress: attach is refused
+/// until it ends, or until `until` (seconds since the epoch) when the copying broker vanished.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Loan {
+    pub(crate) to: SessionId,
+    pub(crate) until: u64,
+}
+
+impl Loan {
+    pub(crate) fn active(&self) -> bool {
+        self.until > now()
+    }
 }
 
 /// What the last reconcile pass did to the session.
@@ -141,6 +162,9 @@ pub(crate) struct SessionRecord {
     /// The seed to apply while provisioning; `None` once applied, or when none was asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) seed: Option<SeedRecord>,
+    /// A copy of the storage being taken ([`SeedRecord::CopyOf`] of another session).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) lent_to: Option<Loan>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -179,6 +203,7 @@ impl SessionRecord {
             closed_at: None,
             last_reconcile: None,
             seed: None,
+            lent_to: None,
         }
     }
 
@@ -322,6 +347,44 @@ mod tests {
 
     fn annotated(text: &str) -> BTreeMap<String, String> {
         BTreeMap::from([(names::RECORD.to_owned(), text.to_owned())])
+    }
+
+    #[test]
+    fn a_clone_seed_written_before_copies_existed_still_reads_and_a_copy_round_trips() {
+        let mut record = record();
+        record.seed = Some(SeedRecord::GitClone {
+            git_url: "https://example.invalid/repo".to_owned(),
+            git_reference: None,
+        });
+        let mut json: serde_json::Value = serde_json::from_str(&record.to_annotation()).expect("json");
+        assert_eq!(
+            json["seed"],
+            serde_json::json!({ "git_url": "https://example.invalid/repo", "git_reference": null }),
+            "the clone's fields alone, as records written before copies existed hold them"
+        );
+        json["seed"] =
+            serde_json::json!({ "git_url": "https://example.invalid/old", "git_reference": "main" });
+        let old = SessionRecord::from_anchor(&record.id, Some(&annotated(&json.to_string()))).expect("old");
+        assert_eq!(
+            old.seed,
+            Some(SeedRecord::GitClone {
+                git_url: "https://example.invalid/old".to_owned(),
+                git_reference: Some("main".to_owned()),
+            })
+        );
+
+        let source = SessionIdentity::new("prod", "claude", "discord", "source")
+            .expect("identity")
+            .id();
+        record.seed = Some(SeedRecord::CopyOf { copy_of: source });
+        record.lent_to = Some(Loan { to: source, until: 7 });
+        let read =
+            SessionRecord::from_anchor(&record.id, Some(&annotated(&record.to_annotation()))).expect("read");
+        assert_eq!(read, record);
+        assert!(
+            !read.lent_to.expect("loan").active(),
+            "a loan past its time has lapsed"
+        );
     }
 
     #[test]

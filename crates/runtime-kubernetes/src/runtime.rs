@@ -856,6 +856,12 @@ impl KubernetesRuntime {
                         operation: "attach",
                     });
                 }
+                if let Some(loan) = record.lent_to.as_ref().filter(|loan| loan.active()) {
+                    return Err(Error::StorageInUse {
+                        id: *id,
+                        holder: format!("a copy of its storage into session {} is being taken", loan.to),
+                    });
+                }
                 let mut next = record.clone();
                 next.generation = record.generation + 1;
                 next.phase = Phase::Session(SessionState::Running);
@@ -1339,10 +1345,27 @@ impl SessionRuntime for KubernetesRuntime {
                         operation: "a workspace seed with the profile's ephemeral storage (the seed would not outlive its Job)",
                     });
                 }
-                Some(SeedRecord {
+                Some(SeedRecord::GitClone {
                     git_url: url.clone(),
                     git_reference: reference.clone(),
                 })
+            }
+            Some(WorkspaceSeed::CopyOf { source }) => {
+                if *source == identity.id() {
+                    return Err(Error::InvalidArgument {
+                        reason: format!("session {source} cannot be seeded with a copy of its own storage"),
+                    });
+                }
+                if matches!(self.profile().await?.storage, Storage::Ephemeral { .. }) {
+                    return Err(Error::Unsupported {
+                        runtime: RUNTIME,
+                        operation: "a copy of another session's storage with the profile's ephemeral storage",
+                    });
+                }
+                // Refused before this session's anchor exists when the source plainly cannot be
+                // copied; the loan at seed time decides under compare-and-swap.
+                self.check_copy_source(source).await?;
+                Some(SeedRecord::CopyOf { copy_of: *source })
             }
             Some(_) => {
                 return Err(Error::Unsupported {

@@ -1,12 +1,15 @@
-//! Seeding a new session's volume at create: the profile's HOME template and a git clone into
-//! the workspace, done by a short-lived Job `oab-p-<session id>-<incarnation>` with the worker's
-//! image, identity and restrictions.
+//! Seeding a new session's volume at create: a copy of another, idle session's storage, the
+//! profile's HOME template, and a git clone into the workspace, done by a short-lived Job
+//! `oab-p-<session id>-<incarnation>` with the worker's image, identity and restrictions.
 //!
-//! The Job mounts only this session's directories of the volume (and the template, read-only),
-//! holds no service-account token, and ends within the start timeout. Its container runs the
-//! image's `sh` with a fixed script; the clone URL and reference reach it as environment
-//! variables, never as script text. A Secret used as HOME template is mounted by the kubelet:
-//! its values never pass through the broker.
+//! The Job mounts only this session's directories of the volume (and the template and a copied
+//! source, read-only), holds no service-account token, and ends within the start timeout. Its
+//! container runs the image's `sh` with a fixed script; the clone URL and reference and the
+//! copied directories reach it as environment variables, never as script text. A Secret used as
+//! HOME template is mounted by the kubelet: its values never pass through the broker.
+//!
+//! A copy's source is lent for the copy by compare-and-swap on its anchor (see [`Loan`]): its
+//! attach is refused meanwhile, and a source with a worker is refused at once, never waited on.
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
@@ -20,32 +23,45 @@ use session_runtime::SessionId;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::ResourceExt;
-use session_runtime::{Error, Result};
+use session_runtime::{Error, Result, SessionState};
 
 use crate::api::{api_error, is_status};
 use crate::names;
 use crate::pod::{
-    owned_by_anchor, plain_env, restricted_container, restricted_pod, session_dirs, PREPARE_MOUNT,
+    dirs_on_volume, owned_by_anchor, plain_env, restricted_container, restricted_pod, session_dirs,
+    PREPARE_MOUNT,
 };
 use crate::profile::{HomeTemplate, WorkerProfile};
-use crate::record::SeedRecord;
-use crate::record::SessionRecord;
+use crate::record::{now, Loan, Phase, SeedRecord, SessionRecord, Volume as RecordVolume};
 use crate::{KubernetesRuntime, RUNTIME};
 
 /// Where the Job mounts the HOME template.
 const TEMPLATE_MOUNT: &str = "/template";
+/// Where the Job mounts a copied session's volume, when it is not the session's own.
+const SOURCE_MOUNT: &str = "/source";
+/// How long a loan outlives the start timeout, for a broker that vanished mid-copy.
+const LOAN_MARGIN_SECONDS: u64 = 60;
 
-/// Copies the template's keys (ConfigMap and Secret volumes hold each key as a symlink into a
-/// hidden `..data` directory, so the copy follows links and skips names starting with `..`),
-/// then clones into an emptied workspace. `$1` is the session's HOME directory, `$2` its
-/// workspace directory.
+/// Empties the session's directories and copies the source's into them (a copy's source is
+/// another session's, and a retried copy must not merge with a partial one); then copies the
+/// template's keys (ConfigMap and Secret volumes hold each key as a symlink into a hidden `..data`
+/// directory, so the copy follows links and skips names starting with `..`), removing first
+/// whatever a copied HOME holds at that name, which may be a link; then clones into an emptied
+/// workspace. `$1` is the session's HOME directory, `$2` its workspace directory.
 const SCRIPT: &str = r#"set -eu
 home="$1"
 work="$2"
+if [ -n "${OAB_SEED_COPY_WORKSPACE:-}" ]; then
+  rm -rf "$work" "$home"
+  mkdir -p "$work" "$home"
+  if [ -d "$OAB_SEED_COPY_WORKSPACE" ]; then cp -a "$OAB_SEED_COPY_WORKSPACE/." "$work/"; fi
+  if [ -d "$OAB_SEED_COPY_HOME" ]; then cp -a "$OAB_SEED_COPY_HOME/." "$home/"; fi
+fi
 mkdir -p "$home"
 if [ -d /template ]; then
   for entry in /template/* /template/.[!.]*; do
     [ -e "$entry" ] || continue
+    rm -rf "$home/${entry##*/}"
     cp -L "$entry" "$home/"
   done
 fi
@@ -60,6 +76,15 @@ fi
 mkdir -p "$work"
 "#;
 
+/// The session whose storage a copy reads.
+#[derive(Debug)]
+pub(crate) struct CopySource {
+    pub(crate) claim: String,
+    /// Its workspace and HOME directories, relative to its volume.
+    pub(crate) workspace_dir: String,
+    pub(crate) home_dir: String,
+}
+
 /// What one seed Job is made of besides the profile.
 #[derive(Debug)]
 pub(crate) struct SeedSpec<'a> {
@@ -69,6 +94,7 @@ pub(crate) struct SeedSpec<'a> {
     pub(crate) anchor_uid: &'a str,
     pub(crate) claim: &'a str,
     pub(crate) seed: Option<&'a SeedRecord>,
+    pub(crate) copy: Option<&'a CopySource>,
     /// The Job's deadline, in seconds.
     pub(crate) deadline: i64,
 }
@@ -146,11 +172,46 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
         plain_env("TMPDIR", "/tmp".to_owned()),
         plain_env("GIT_TERMINAL_PROMPT", "0".to_owned()),
     ];
-    if let Some(seed) = spec.seed {
-        env.push(plain_env("OAB_SEED_GIT_URL", seed.git_url.clone()));
-        if let Some(reference) = &seed.git_reference {
+    if let Some(SeedRecord::GitClone {
+        git_url,
+        git_reference,
+    }) = spec.seed
+    {
+        env.push(plain_env("OAB_SEED_GIT_URL", git_url.clone()));
+        if let Some(reference) = git_reference {
             env.push(plain_env("OAB_SEED_GIT_REF", reference.clone()));
         }
+    }
+    if let Some(source) = spec.copy {
+        // A borrowed volume holds both sessions: the source is read where the Job already
+        // mounts it. Otherwise its claim is mounted read-only.
+        let root = if source.claim == spec.claim {
+            PREPARE_MOUNT
+        } else {
+            volumes.push(Volume {
+                name: "source".to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: source.claim.clone(),
+                    read_only: Some(true),
+                }),
+                ..Volume::default()
+            });
+            mounts.push(VolumeMount {
+                name: "source".to_owned(),
+                mount_path: SOURCE_MOUNT.to_owned(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            });
+            SOURCE_MOUNT
+        };
+        env.push(plain_env(
+            "OAB_SEED_COPY_WORKSPACE",
+            format!("{root}/{}", source.workspace_dir),
+        ));
+        env.push(plain_env(
+            "OAB_SEED_COPY_HOME",
+            format!("{root}/{}", source.home_dir),
+        ));
     }
     let container = Container {
         name: "seed".to_owned(),
@@ -273,6 +334,13 @@ impl KubernetesRuntime {
     /// [`Error::Backend`]: not retryable when the seed failed (the Pod's words: git's message, a
     /// missing image or template), retryable when it did not end within the start timeout or
     /// the API failed.
+    ///
+    /// A copy's source is lent for the Job's run and given back after it, whatever the outcome;
+    /// if this call is cancelled meanwhile, the loan lapses by itself after the start timeout and
+    /// a minute.
+    ///
+    /// # Errors
+    /// For a copy, also the errors of [`Self::lend`].
     pub(crate) async fn seed(
         &self,
         id: &SessionId,
@@ -286,6 +354,92 @@ impl KubernetesRuntime {
                 operation: "a workspace seed with the profile's ephemeral storage (the seed would not outlive its Job)",
             });
         };
+        let Some(SeedRecord::CopyOf { copy_of: source }) = &record.seed else {
+            return self.run_seed_job(id, anchor, record, profile, claim, None).await;
+        };
+        let copy = self.lend(source, id).await?;
+        let outcome = self
+            .run_seed_job(id, anchor, record, profile, claim, Some(&copy))
+            .await;
+        self.end_loan(source, id).await;
+        outcome
+    }
+
+    /// Checks, without writing, that `source` exists and is idle: [`Self::lend`]'s refusals,
+    /// ahead of making the copy's anchor.
+    pub(crate) async fn check_copy_source(&self, source: &SessionId) -> Result<()> {
+        let (_, record) = self.load(source).await?.ok_or(Error::NotFound { id: *source })?;
+        copyable(source, &record, None).map(drop)
+    }
+
+    /// Lends `source`'s storage to a copy into `to`, by compare-and-swap on its anchor: until the
+    /// loan ends, its attach is refused with [`Error::StorageInUse`].
+    ///
+    /// # Errors
+    /// - [`Error::StorageInUse`] if `source` has a worker (recorded, or a Pod still there), is
+    ///   being provisioned, or is lent to another copy: refused at once, never waited on.
+    /// - [`Error::NotFound`] if there is no such session, [`Error::InvalidState`] if it is closed.
+    /// - [`Error::Unsupported`] if its storage is ephemeral.
+    pub(crate) async fn lend(&self, source: &SessionId, to: &SessionId) -> Result<CopySource> {
+        let until = now() + self.start_timeout().as_secs() + LOAN_MARGIN_SECONDS;
+        let (_, record) = self
+            .update(source, |record| {
+                copyable(source, record, Some(to))?;
+                let mut next = record.clone();
+                next.lent_to = Some(Loan { to: *to, until });
+                Ok(Some(next))
+            })
+            .await?;
+        // A suspend deletes the Pod and waits for it; one a crashed broker left is still there.
+        if let Some(pod) = self.worker(source).await? {
+            self.end_loan(source, to).await;
+            return Err(Error::StorageInUse {
+                id: *source,
+                holder: format!("its worker Pod {} is still there", pod.name_any()),
+            });
+        }
+        let claim = record.volume.claim().unwrap_or_default().to_owned();
+        let (workspace_dir, home_dir) =
+            dirs_on_volume(matches!(record.volume, RecordVolume::Borrowed { .. }), source);
+        Ok(CopySource {
+            claim,
+            workspace_dir,
+            home_dir,
+        })
+    }
+
+    /// Ends `source`'s loan to `to`, if it still has it. A failure is logged: the loan lapses
+    /// by itself.
+    async fn end_loan(&self, source: &SessionId, to: &SessionId) {
+        let ended = self
+            .update(source, |record| match &record.lent_to {
+                Some(loan) if loan.to == *to => {
+                    let mut next = record.clone();
+                    next.lent_to = None;
+                    Ok(Some(next))
+                }
+                _ => Ok(None),
+            })
+            .await;
+        match ended {
+            Ok(_) | Err(Error::NotFound { .. }) => {}
+            Err(error) => tracing::warn!(
+                session = %source,
+                "ending the loan of its storage to session {to} failed (it lapses by itself): {error}"
+            ),
+        }
+    }
+
+    /// Runs the seed Job and waits for it.
+    async fn run_seed_job(
+        &self,
+        id: &SessionId,
+        anchor: &Lease,
+        record: &SessionRecord,
+        profile: &WorkerProfile,
+        claim: &str,
+        copy: Option<&CopySource>,
+    ) -> Result<()> {
         let jobs = self.jobs().await?;
         let name = names::seed(id, record.incarnation);
         let timeout = self.start_timeout();
@@ -296,6 +450,7 @@ impl KubernetesRuntime {
             anchor_uid: &anchor.uid().unwrap_or_default(),
             claim,
             seed: record.seed.as_ref(),
+            copy,
             deadline: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX).max(1),
         };
         let job = seed_job(profile, &spec);
@@ -389,5 +544,234 @@ impl KubernetesRuntime {
             Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
             Err(error) => Err(api_error(&format!("deleting seed Job {name}"), error)),
         }
+    }
+}
+
+/// Whether `source`'s storage may be copied now (into `to`, whose own earlier loan does not
+/// count against it).
+fn copyable(source: &SessionId, record: &SessionRecord, to: Option<&SessionId>) -> Result<()> {
+    let in_use = |holder: String| Error::StorageInUse { id: *source, holder };
+    match record.phase {
+        Phase::Provisioning => return Err(in_use("it is still being provisioned".to_owned())),
+        Phase::Session(SessionState::Closing | SessionState::Closed) => {
+            return Err(Error::InvalidState {
+                id: *source,
+                state: record.state(),
+                operation: "copy its storage",
+            })
+        }
+        Phase::Session(_) => {}
+    }
+    if let Some(worker) = &record.worker {
+        return Err(in_use(format!(
+            "its worker of generation {} is attached; suspend the session first",
+            worker.generation
+        )));
+    }
+    if record.volume.claim().is_none() {
+        return Err(Error::Unsupported {
+            runtime: RUNTIME,
+            operation: "a copy of a session whose storage is ephemeral",
+        });
+    }
+    if let Some(loan) = record
+        .lent_to
+        .as_ref()
+        .filter(|loan| loan.active() && Some(&loan.to) != to)
+    {
+        return Err(in_use(format!(
+            "a copy of it into session {} is being taken",
+            loan.to
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::WorkerRecord;
+    use session_runtime::SessionIdentity;
+
+    fn session(thread: &str) -> SessionId {
+        SessionIdentity::new("prod", "agent", "slack", thread)
+            .expect("identity")
+            .id()
+    }
+
+    fn idle_source() -> SessionRecord {
+        let mut record = SessionRecord::new(session("source"), "digest".to_owned(), 2, 1);
+        record.phase = Phase::Session(SessionState::Suspended);
+        record.volume = RecordVolume::Owned {
+            claim: "oab-d-source-1".to_owned(),
+            uid: Some("uid".to_owned()),
+        };
+        record
+    }
+
+    fn refusal(record: &SessionRecord, to: &SessionId) -> Option<Error> {
+        copyable(&record.id, record, Some(to)).err()
+    }
+
+    #[test]
+    fn an_idle_source_with_a_volume_may_be_copied_and_nothing_else_may() {
+        let (source, fork) = (idle_source(), session("fork"));
+        assert!(refusal(&source, &fork).is_none(), "suspended, with a claim");
+        let mut created = source.clone();
+        created.phase = Phase::Session(SessionState::Created);
+        assert!(refusal(&created, &fork).is_none(), "created, never attached");
+
+        let mut running = source.clone();
+        running.phase = Phase::Session(SessionState::Running);
+        running.worker = Some(WorkerRecord {
+            generation: 3,
+            pod_uid: None,
+            started_at: 0,
+            holder_epoch: None,
+        });
+        assert!(matches!(refusal(&running, &fork), Some(Error::StorageInUse { id, .. }) if id == source.id));
+
+        let mut provisioning = source.clone();
+        provisioning.phase = Phase::Provisioning;
+        assert!(matches!(
+            refusal(&provisioning, &fork),
+            Some(Error::StorageInUse { .. })
+        ));
+
+        let mut closed = source.clone();
+        closed.phase = Phase::Session(SessionState::Closed);
+        assert!(matches!(
+            refusal(&closed, &fork),
+            Some(Error::InvalidState {
+                state: SessionState::Closed,
+                ..
+            })
+        ));
+
+        let mut ephemeral = source.clone();
+        ephemeral.volume = RecordVolume::Ephemeral;
+        assert!(matches!(
+            refusal(&ephemeral, &fork),
+            Some(Error::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn a_source_lent_to_another_copy_is_refused_until_the_loan_ends_or_lapses() {
+        let (mut source, fork, other) = (idle_source(), session("fork"), session("other"));
+        source.lent_to = Some(Loan {
+            to: other,
+            until: now() + 300,
+        });
+        match refusal(&source, &fork) {
+            Some(Error::StorageInUse { holder, .. }) => assert!(holder.contains(other.as_str()), "{holder}"),
+            other => panic!("a source lent to another copy: {other:?}"),
+        }
+        assert!(
+            copyable(&source.id, &source, None).is_err(),
+            "the check ahead of create counts every loan"
+        );
+        assert!(
+            refusal(&source, &other).is_none(),
+            "the copy that holds the loan goes on (a retry)"
+        );
+        source.lent_to = Some(Loan {
+            to: other,
+            until: now().saturating_sub(1),
+        });
+        assert!(
+            refusal(&source, &fork).is_none(),
+            "a lapsed loan (its broker vanished) holds nothing"
+        );
+    }
+
+    #[test]
+    fn a_copy_job_mounts_another_volume_read_only_and_a_shared_one_once() {
+        let profile = WorkerProfile::from_toml(
+            "worker",
+            "1",
+            "image = \"openab.dev/worker:test\"\nagent = [\"/usr/local/bin/acp-test-agent\"]\n",
+        )
+        .expect("profile");
+        let (target, anchor_uid) = (session("fork"), "anchor-uid".to_owned());
+        let copy = CopySource {
+            claim: "oab-d-source-1".to_owned(),
+            workspace_dir: "workspace".to_owned(),
+            home_dir: "home".to_owned(),
+        };
+        let spec = SeedSpec {
+            id: &target,
+            installation: "prod",
+            incarnation: 1,
+            anchor_uid: &anchor_uid,
+            claim: "oab-d-fork-1",
+            seed: None,
+            copy: Some(&copy),
+            deadline: 60,
+        };
+        let job = seed_job(&profile, &spec);
+        let pod = job.spec.and_then(|spec| spec.template.spec).expect("pod spec");
+        let source = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|volume| volume.name == "source")
+            .and_then(|volume| volume.persistent_volume_claim.clone())
+            .expect("the source's claim");
+        assert_eq!(source.claim_name, "oab-d-source-1");
+        assert_eq!(source.read_only, Some(true));
+        let container = &pod.containers[0];
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|mount| mount.name == "source")
+            .expect("the source's mount");
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            (SOURCE_MOUNT, Some(true))
+        );
+        let env = |name: &str| {
+            container
+                .env
+                .iter()
+                .flatten()
+                .find(|var| var.name == name)
+                .and_then(|var| var.value.clone())
+        };
+        assert_eq!(
+            env("OAB_SEED_COPY_WORKSPACE").as_deref(),
+            Some("/source/workspace")
+        );
+        assert_eq!(env("OAB_SEED_COPY_HOME").as_deref(), Some("/source/home"));
+
+        let shared = CopySource {
+            claim: "oab-d-fork-1".to_owned(),
+            workspace_dir: format!("{}/workspace", session("source")),
+            home_dir: format!("{}/home", session("source")),
+        };
+        let job = seed_job(
+            &profile,
+            &SeedSpec {
+                copy: Some(&shared),
+                ..spec
+            },
+        );
+        let pod = job.spec.and_then(|spec| spec.template.spec).expect("pod spec");
+        assert!(
+            pod.volumes.iter().flatten().all(|volume| volume.name != "source"),
+            "a borrowed volume holds both sessions: mounted once"
+        );
+        let workspace = pod.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|var| var.name == "OAB_SEED_COPY_WORKSPACE")
+            .and_then(|var| var.value.clone())
+            .expect("the copied workspace");
+        assert_eq!(
+            workspace,
+            format!("{PREPARE_MOUNT}/{}/workspace", session("source"))
+        );
     }
 }

@@ -216,3 +216,170 @@ async fn an_ephemeral_volume_cannot_be_seeded() {
         "nothing was made"
     );
 }
+
+/// Sets (or, with `None`, clears) the loan on a session's record as a copying broker would,
+/// through the admin's client: the refusals while a copy runs, made deterministic.
+async fn set_loan(
+    cluster: &TestCluster,
+    source: &session_runtime::SessionId,
+    loan: Option<serde_json::Value>,
+) {
+    use test_cluster::k8s_openapi::api::coordination::v1::Lease;
+    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let name = format!("oab-s-{source}");
+    let mut anchor = leases.get(&name).await.expect("the source's anchor");
+    let annotations = anchor.metadata.annotations.as_mut().expect("annotations");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&annotations["openab.dev/record"]).expect("the record is JSON");
+    match loan {
+        Some(loan) => record["lent_to"] = loan,
+        None => {
+            record.as_object_mut().expect("an object").remove("lent_to");
+        }
+    }
+    annotations.insert("openab.dev/record".into(), record.to_string());
+    leases
+        .replace(&name, &PostParams::default(), &anchor)
+        .await
+        .expect("write the loan");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refused() {
+    let installation = unique_name("copy-seed");
+    let cluster = TestCluster::connect().await;
+    let home = AdminConfigMap::install(
+        &cluster,
+        &format!("{installation}-home"),
+        &[(".agentrc", "from the template\n")],
+    )
+    .await;
+    let document = format!(
+        "{WORKER_PROFILE}\n[home_template]\nconfig_map = \"{}\"\n",
+        home.name()
+    );
+    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
+    let thread = |name: &str| SessionIdentity::new(&installation, "agent", "test", name).expect("identity");
+    let (source, fork, other) = (thread("source"), thread("fork"), thread("other"));
+    let copy_of = |identity: &SessionIdentity| {
+        CreateOptions::new().with_workspace_seed(WorkspaceSeed::CopyOf {
+            source: identity.id(),
+        })
+    };
+
+    runtime
+        .create(&source, &CreateOptions::new())
+        .await
+        .expect("create the source");
+    let client = AcpClient::new(runtime.attach(&source.id()).await.expect("attach the source"));
+    client.initialize().await.expect("initialize");
+    // A link where the template's file goes: the copy must replace it, never write through it.
+    let wrote = client
+        .exec(
+            "mkdir -p src && echo 'fn main() {}' > src/main.rs && echo 'from the source' > notes.txt \
+             && ln -s notes.txt latest && echo 'source state' > \"$HOME/.agent-state\" \
+             && rm -f \"$HOME/.agentrc\" && ln -s \"$PWD/notes.txt\" \"$HOME/.agentrc\" && echo wrote",
+        )
+        .await
+        .expect("exec in the source");
+    assert!(wrote.stdout.contains("wrote"), "{wrote:?}");
+
+    // Attached: refused at once, before anything of the fork exists.
+    match runtime.create(&fork, &copy_of(&source)).await {
+        Err(Error::StorageInUse { id, .. }) => assert_eq!(id, source.id()),
+        other => panic!("a copy of an attached session must be refused: {other:?}"),
+    }
+    assert!(
+        matches!(runtime.status(&fork.id()).await, Err(Error::NotFound { .. })),
+        "a refused copy makes nothing"
+    );
+    drop(client);
+    runtime
+        .suspend(&source.id(), session_runtime::SuspendReason::Idle)
+        .await
+        .expect("suspend the source");
+
+    // Lent to another copy: its attach and a second copy are refused until the loan ends.
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+        + 600;
+    set_loan(
+        &cluster,
+        &source.id(),
+        Some(serde_json::json!({ "to": other.id().as_str(), "until": until })),
+    )
+    .await;
+    match runtime.attach(&source.id()).await {
+        Err(Error::StorageInUse { holder, .. }) => assert!(holder.contains(other.id().as_str()), "{holder}"),
+        other => panic!("attach of a lent session must be refused: {other:?}"),
+    }
+    match runtime.create(&fork, &copy_of(&source)).await {
+        Err(Error::StorageInUse { .. }) => {}
+        other => panic!("a copy of a session lent to another copy must be refused: {other:?}"),
+    }
+    set_loan(&cluster, &source.id(), None).await;
+
+    // Idle: the fork gets the workspace and HOME; the template has the last word on its file.
+    runtime
+        .create(&fork, &copy_of(&source))
+        .await
+        .expect("create the fork");
+    let jobs: Api<Job> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let job = jobs
+        .get_opt(&format!("oab-p-{}-1", fork.id()))
+        .await
+        .expect("read the Job");
+    assert!(
+        job.is_none_or(|job| job.metadata.deletion_timestamp.is_some()),
+        "the copy's Job is removed once it ended"
+    );
+    let client = AcpClient::new(runtime.attach(&fork.id()).await.expect("attach the fork"));
+    client.initialize().await.expect("initialize");
+    let probe = client
+        .exec(
+            "cat notes.txt src/main.rs \"$HOME/.agent-state\"; echo \"link $(readlink latest)\"; \
+             test -L \"$HOME/.agentrc\" || cat \"$HOME/.agentrc\"; echo 'changed in the fork' > notes.txt",
+        )
+        .await
+        .expect("exec in the fork");
+    for expected in [
+        "from the source",
+        "fn main() {}",
+        "source state",
+        "link notes.txt",
+        "from the template",
+    ] {
+        assert!(
+            probe.stdout.contains(expected),
+            "{expected:?} in the fork: {probe:?}"
+        );
+    }
+    drop(client);
+
+    // The source is as it was, and attachable again now that the copy is done.
+    let client = AcpClient::new(
+        runtime
+            .attach(&source.id())
+            .await
+            .expect("attach the source again"),
+    );
+    client.initialize().await.expect("initialize");
+    let probe = client.exec("cat notes.txt").await.expect("exec in the source");
+    assert_eq!(probe.stdout.trim(), "from the source", "{probe:?}");
+    drop(client);
+
+    match runtime.create(&other, &copy_of(&thread("never-created"))).await {
+        Err(Error::NotFound { .. }) => {}
+        unexpected => panic!("a copy of an unknown session must be NotFound: {unexpected:?}"),
+    }
+    for identity in [&source, &fork] {
+        runtime
+            .close(&identity.id(), CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+}
