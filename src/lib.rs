@@ -48,6 +48,11 @@ pub mod compat;
 #[cfg(feature = "local")]
 mod linux;
 
+/// The adoption guide, `docs/openab-core.md`: its Rust blocks are compiled (and run) as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/openab-core.md")]
+mod openab_core_guide {}
+
 pub use session_runtime::*;
 
 #[cfg(all(feature = "local", target_os = "linux"))]

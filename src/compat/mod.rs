@@ -11,6 +11,7 @@
 //! | `alive()` (`!reader_handle.is_finished()`) | [`SessionControl::is_alive`] |
 //! | `working_dir` sent as `cwd` in `session/new` | [`AgentTransport::cwd`] (the directory *inside* the worker) |
 //! | matching `"timeout waiting for"` / `"channel closed"` | [`AcpCallError::is_transient`] |
+//! | `format_user_error` sorting messages by substring | [`user_error_kind`] / [`UserError`] first, then `format_user_error` for other errors |
 //! | dropping the last `Arc<Mutex<AcpConnection>>` | [`PoolPath::apply`]: an explicit `suspend` or `close` with a reason |
 //!
 //! The adoption guide, `docs/openab-core.md`, walks through the change file by file.
@@ -22,7 +23,7 @@ mod sessions;
 mod writer;
 
 pub use control::{SessionControl, CANCEL_BOUND};
-pub use errors::AcpCallError;
+pub use errors::{user_error_kind, AcpCallError, UserError, UserErrorKind};
 pub use paths::{PoolPath, RuntimeCall};
 pub use sessions::{AgentTransport, ThreadSessions, TurnWait};
 pub use writer::LineWriter;

@@ -402,8 +402,14 @@ impl LocalRuntime {
                     record.uid,
                 ));
                 command.current_dir(&dirs.workspace);
-                worker::spawn(command, id, generation, limits.clone())
-                    .map_err(|cause| Error::WorkerFailed { id, cause })
+                worker::spawn(
+                    command,
+                    id,
+                    generation,
+                    self.settings.agent_stderr,
+                    limits.clone(),
+                )
+                .map_err(|cause| Error::WorkerFailed { id, cause })
             }
             Err(error) => Err(error),
         };

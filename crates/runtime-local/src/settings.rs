@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use session_runtime::config::{
-    EgressTarget, LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode, SessionRuntimeConfig,
-    StorageMode,
+    AgentStderr, EgressTarget, LocalConfig, NetworkMode, ReadonlyMount, ResourceLimits, SandboxMode,
+    SessionRuntimeConfig, StorageMode,
 };
 use session_runtime::{AgentCommand, Error, IsolationLevel, Result, RetentionPolicy, SessionIdentity};
 
@@ -22,6 +22,8 @@ pub(crate) struct LocalSettings {
     pub(crate) retention: RetentionPolicy,
     pub(crate) idle_ttl: Option<Duration>,
     pub(crate) terminate_grace: Duration,
+    /// What happens to each worker's stderr.
+    pub(crate) agent_stderr: AgentStderr,
     pub(crate) limits: Option<ResourceLimits>,
     pub(crate) home_template: Option<PathBuf>,
     /// With `network = "allowlist"`: what sessions may reach, and the forwarder that runs first
@@ -140,6 +142,13 @@ impl LocalRuntimeBuilder {
     /// [`LocalConfig::MAX_TERMINATE_GRACE`] (checked in [`build`](Self::build)).
     pub fn terminate_grace(mut self, grace: Duration) -> Self {
         self.local.terminate_grace = Some(grace);
+        self
+    }
+
+    /// What happens to the agent's stderr (default [`AgentStderr::Warn`]; the configuration key
+    /// `session_runtime.local.agent_stderr`).
+    pub fn agent_stderr(mut self, stderr: AgentStderr) -> Self {
+        self.local.agent_stderr = Some(stderr);
         self
     }
 
@@ -273,6 +282,7 @@ impl LocalRuntimeBuilder {
             retention: self.retention,
             idle_ttl: self.idle_ttl,
             terminate_grace,
+            agent_stderr: self.local.effective_agent_stderr(),
             limits: self.local.limits,
             home_template: self.local.home_template,
             egress,

@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rustix::process::Signal;
+use session_runtime::config::AgentStderr;
 use session_runtime::{ExitCell, Generation, Result, SessionId, WorkerControl, WorkerExit, WorkerFailure};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
 use tokio::process::{ChildStdin, ChildStdout, Command};
@@ -44,7 +45,8 @@ pub(crate) struct Spawned {
 }
 
 /// Spawns `command` (already carrying its program, arguments, environment and working directory)
-/// as the leader of a new process group, with stderr logged and the child reaped by a task.
+/// as the leader of a new process group, with stderr logged at `stderr`'s level (or not read at
+/// all: `/dev/null`) and the child reaped by a task.
 ///
 /// `cgroups` are the worker's: a worker killed by SIGKILL while they record an OOM kill ended
 /// [`WorkerExit::OutOfMemory`], not by a plain signal.
@@ -52,12 +54,18 @@ pub(crate) fn spawn(
     mut command: Command,
     id: SessionId,
     generation: Generation,
+    stderr: AgentStderr,
     cgroups: Option<LimitsHandle>,
 ) -> std::result::Result<Spawned, WorkerFailure> {
+    let level = stderr.level();
     command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(if level.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .process_group(0);
     // The runtime, not the drop of a handle, decides when a worker ends.
     command.kill_on_drop(false);
@@ -67,12 +75,20 @@ pub(crate) fn spawn(
         .id()
         .ok_or_else(|| WorkerFailure::Spawn("the agent exited at once".into()))?;
     let process = ProcessRef::of(pid).unwrap_or(ProcessRef { pid, start_time: 0 });
-    let (Some(stdout), Some(stdin), Some(stderr)) =
-        (child.stdout.take(), child.stdin.take(), child.stderr.take())
-    else {
+    let (Some(stdout), Some(stdin)) = (child.stdout.take(), child.stdin.take()) else {
         return Err(WorkerFailure::Spawn("the agent's pipes were not created".into()));
     };
-    tokio::spawn(log_stderr(stderr, id, generation));
+    match (level, child.stderr.take()) {
+        (Some(level), Some(stderr)) => {
+            tokio::spawn(log_stderr(stderr, id, generation, level));
+        }
+        (Some(_), None) => {
+            return Err(WorkerFailure::Spawn(
+                "the agent's stderr pipe was not created".into(),
+            ))
+        }
+        (None, _) => {}
+    }
     let exit = ExitCell::new();
     {
         let exit = exit.clone();
@@ -127,12 +143,25 @@ fn keep_inherited_descriptors_from_workers() {
     close_fds::set_fds_cloexec_threadsafe(3, &[]);
 }
 
-async fn log_stderr(stderr: impl AsyncRead + Unpin, id: SessionId, generation: Generation) {
+/// Logs each non-empty stderr line of a worker at `level`, control characters removed.
+async fn log_stderr(
+    stderr: impl AsyncRead + Unpin,
+    id: SessionId,
+    generation: Generation,
+    level: tracing::Level,
+) {
     let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         let line: String = line.chars().filter(|c| !c.is_control()).collect();
-        if !line.trim().is_empty() {
-            tracing::warn!(session = %id, generation, "agent stderr: {line}");
+        if line.trim().is_empty() {
+            continue;
+        }
+        match level {
+            tracing::Level::ERROR => tracing::error!(session = %id, generation, "agent stderr: {line}"),
+            tracing::Level::WARN => tracing::warn!(session = %id, generation, "agent stderr: {line}"),
+            tracing::Level::INFO => tracing::info!(session = %id, generation, "agent stderr: {line}"),
+            tracing::Level::DEBUG => tracing::debug!(session = %id, generation, "agent stderr: {line}"),
+            tracing::Level::TRACE => tracing::trace!(session = %id, generation, "agent stderr: {line}"),
         }
     }
 }

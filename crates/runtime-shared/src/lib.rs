@@ -13,6 +13,8 @@
 //!   `SystemDrive` when set), then `[agent].env`, then each `inherit_env` name not set explicitly
 //!   that the broker has;
 //! - in a process group of its own (unix `setpgid(0, 0)`; Windows `CREATE_NEW_PROCESS_GROUP`);
+//! - with its stderr `/dev/null`, as upstream v0.8.x (later upstream code logs it at WARN), unless
+//!   `local.agent_stderr` names a level to log each line at ([`AgentStderr`]);
 //! - stopped with SIGTERM to the group, then SIGKILL to the group after the grace
 //!   (`terminate_grace`, default 1.5 s as upstream). Windows has no SIGTERM: the agent is
 //!   terminated at once.
@@ -40,7 +42,8 @@ mod process;
 mod runtime;
 mod spawn;
 
-pub use runtime::{AgentStderr, SharedRuntime, SharedRuntimeBuilder};
+pub use runtime::{SharedRuntime, SharedRuntimeBuilder};
+pub use session_runtime::config::AgentStderr;
 
 /// The name this runtime reports in errors and logs.
 pub const RUNTIME: &str = "shared";

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use session_runtime::config::{LocalConfig, SessionRuntimeConfig, StorageMode};
+use session_runtime::config::{AgentStderr, LocalConfig, SessionRuntimeConfig, StorageMode};
 use session_runtime::{
     AgentCommand, Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence,
     FenceTrigger, ReconcileReport, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
@@ -21,18 +21,6 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader, ReadBuf};
 use crate::process::AgentProcess;
 use crate::spawn;
 use crate::RUNTIME;
-
-/// What happens to the agent's stderr. Upstream's v0.8.x releases discard it; later upstream
-/// code logs it at WARN.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum AgentStderr {
-    /// Not read at all (`/dev/null`), as upstream v0.8.x does. The default.
-    #[default]
-    Discard,
-    /// Each non-empty line logged at this level, with the session id, control characters removed.
-    Log(tracing::Level),
-}
 
 /// Builds a [`SharedRuntime`].
 ///
@@ -57,9 +45,9 @@ pub struct SharedRuntimeBuilder {
 }
 
 impl SharedRuntimeBuilder {
-    /// A builder from a parsed `[session_runtime]` section: `installation`, `idle_ttl` and
-    /// `local.terminate_grace` (unset: never, and 1.5 s, as upstream). The section must select
-    /// `local.storage = "shared"`, which `build` checks.
+    /// A builder from a parsed `[session_runtime]` section: `installation`, `idle_ttl`,
+    /// `local.terminate_grace` and `local.agent_stderr` (unset: never, 1.5 s and discarded, as
+    /// upstream v0.8.x). The section must select `local.storage = "shared"`, which `build` checks.
     pub fn from_config(config: &SessionRuntimeConfig, agent: AgentCommand) -> Self {
         Self {
             agent,
@@ -67,7 +55,7 @@ impl SharedRuntimeBuilder {
             storage: config.local.storage,
             idle_ttl: config.effective_idle_ttl(),
             terminate_grace: config.local.effective_terminate_grace(),
-            stderr: AgentStderr::default(),
+            stderr: config.local.effective_agent_stderr(),
         }
     }
 
@@ -91,7 +79,8 @@ impl SharedRuntimeBuilder {
         self
     }
 
-    /// What happens to the agent's stderr (default [`AgentStderr::Discard`]).
+    /// What happens to the agent's stderr (default [`AgentStderr::Discard`], as upstream v0.8.x;
+    /// the configuration key `session_runtime.local.agent_stderr`).
     pub fn agent_stderr(mut self, stderr: AgentStderr) -> Self {
         self.stderr = stderr;
         self
@@ -327,7 +316,7 @@ impl SessionRuntime for SharedRuntime {
         };
         let agent = &self.inner.agent;
         let env = spawn::environment(agent, &self.inner.working_dir, spawn::broker_env);
-        let log_stderr = matches!(self.inner.stderr, AgentStderr::Log(_));
+        let log_stderr = self.inner.stderr.level().is_some();
         let mut child = spawn::command(agent, &self.inner.working_dir, &env, log_stderr)
             .spawn()
             .map_err(|e| Error::WorkerFailed {
@@ -343,7 +332,7 @@ impl SessionRuntime for SharedRuntime {
                 source: None,
             });
         };
-        if let (AgentStderr::Log(level), Some(stderr)) = (self.inner.stderr, child.stderr.take()) {
+        if let (Some(level), Some(stderr)) = (self.inner.stderr.level(), child.stderr.take()) {
             tokio::spawn(log_lines(*id, level, stderr));
         }
         let process = Arc::new(AgentProcess::watch(child, generation));

@@ -21,6 +21,8 @@
 //! readonly = ["/opt/openab/skills:/skills"]
 //! home_template = "/etc/openab/home"
 //! terminate_grace = "5s"        # default "1500ms" with storage = "shared", else "5s"
+//! agent_stderr = "warn"         # discard | error | warn | info | debug | trace;
+//!                               # default "discard" with storage = "shared", else "warn"
 //! [session_runtime.local.limits]
 //! memory = "2Gi"
 //! pids = 512
@@ -361,7 +363,8 @@ impl fmt::Display for StorageMode {
 #[non_exhaustive]
 pub struct LocalConfig {
     /// Shared (upstream's behaviour) or per-session storage. Default [`StorageMode::Shared`].
-    /// Every other key of this table but `terminate_grace` needs [`StorageMode::PerSession`].
+    /// Every other key of this table but `terminate_grace` and `agent_stderr` needs
+    /// [`StorageMode::PerSession`].
     pub storage: StorageMode,
     /// The directory that holds one subdirectory per session (`<root>/<session id>/`). Must be
     /// absolute. Default `None`: the local runtime chooses its own default location.
@@ -396,6 +399,11 @@ pub struct LocalConfig {
     /// [`effective_terminate_grace`](Self::effective_terminate_grace).
     #[serde(with = "serde_duration::option", skip_serializing_if = "Option::is_none")]
     pub terminate_grace: Option<Duration>,
+    /// The `agent_stderr` key as written (`None`: unset): what happens to each line the agent
+    /// writes to stderr, in both storage modes. What applies is
+    /// [`effective_agent_stderr`](Self::effective_agent_stderr).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_stderr: Option<AgentStderr>,
 }
 
 impl LocalConfig {
@@ -414,6 +422,18 @@ impl LocalConfig {
         self.terminate_grace.unwrap_or(match self.storage {
             StorageMode::Shared => Self::UPSTREAM_TERMINATE_GRACE,
             StorageMode::PerSession => Self::DEFAULT_TERMINATE_GRACE,
+        })
+    }
+
+    /// What the runtime does with the agent's stderr: the
+    /// [`agent_stderr`](Self::agent_stderr) key if set, else [`AgentStderr::Discard`] with
+    /// shared storage (upstream's v0.8.x releases give the agent `/dev/null`) and
+    /// [`AgentStderr::Warn`] with per-session storage (the local runtime's behaviour before the
+    /// key existed).
+    pub fn effective_agent_stderr(&self) -> AgentStderr {
+        self.agent_stderr.unwrap_or(match self.storage {
+            StorageMode::Shared => AgentStderr::Discard,
+            StorageMode::PerSession => AgentStderr::Warn,
         })
     }
 
@@ -529,6 +549,73 @@ impl LocalConfig {
                 ),
             )),
         }
+    }
+}
+
+/// What happens to the lines a local agent writes to stderr: the `agent_stderr` key.
+///
+/// Logged lines are `tracing` events of the runtime's crate (`runtime_shared` or
+/// `runtime_local`) with the message `agent stderr: <line>` and the session id as the field
+/// `session`; control characters are removed and empty lines skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum AgentStderr {
+    /// Not read at all: the agent's stderr is `/dev/null`, as upstream v0.8.x has it:
+    /// `"discard"`.
+    Discard,
+    /// Each line logged at ERROR: `"error"`.
+    Error,
+    /// Each line logged at WARN: `"warn"`.
+    Warn,
+    /// Each line logged at INFO: `"info"`.
+    Info,
+    /// Each line logged at DEBUG: `"debug"`.
+    Debug,
+    /// Each line logged at TRACE: `"trace"`.
+    Trace,
+}
+
+impl AgentStderr {
+    /// Every value, in the order they are documented.
+    pub const ALL: [AgentStderr; 6] = [
+        AgentStderr::Discard,
+        AgentStderr::Error,
+        AgentStderr::Warn,
+        AgentStderr::Info,
+        AgentStderr::Debug,
+        AgentStderr::Trace,
+    ];
+
+    /// The configuration spelling: `"discard"`, `"error"`, `"warn"`, `"info"`, `"debug"` or
+    /// `"trace"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AgentStderr::Discard => "discard",
+            AgentStderr::Error => "error",
+            AgentStderr::Warn => "warn",
+            AgentStderr::Info => "info",
+            AgentStderr::Debug => "debug",
+            AgentStderr::Trace => "trace",
+        }
+    }
+
+    /// The level lines are logged at; `None` for [`AgentStderr::Discard`].
+    pub fn level(&self) -> Option<tracing::Level> {
+        match self {
+            AgentStderr::Discard => None,
+            AgentStderr::Error => Some(tracing::Level::ERROR),
+            AgentStderr::Warn => Some(tracing::Level::WARN),
+            AgentStderr::Info => Some(tracing::Level::INFO),
+            AgentStderr::Debug => Some(tracing::Level::DEBUG),
+            AgentStderr::Trace => Some(tracing::Level::TRACE),
+        }
+    }
+}
+
+impl fmt::Display for AgentStderr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

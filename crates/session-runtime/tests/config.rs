@@ -4,8 +4,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use session_runtime::config::{
-    AgentCoreConfig, IdleTtl, KubernetesConfig, NetworkMode, Reach, ReadonlyMount, ResourceLimits,
-    RuntimeKind, SandboxMode, SessionRuntimeConfig, StorageMode,
+    AgentCoreConfig, AgentStderr, IdleTtl, KubernetesConfig, NetworkMode, Reach, ReadonlyMount,
+    ResourceLimits, RuntimeKind, SandboxMode, SessionRuntimeConfig, StorageMode,
 };
 use session_runtime::{Error, Retention, RetentionPolicy};
 
@@ -98,6 +98,12 @@ fn empty_section_is_the_local_runtime_with_upstreams_behaviour() {
     assert_eq!(config.local.home_template, None);
     assert_eq!(config.local.limits, None);
     assert_eq!(config.local.terminate_grace, None);
+    assert_eq!(config.local.agent_stderr, None);
+    assert_eq!(
+        config.local.effective_agent_stderr(),
+        AgentStderr::Discard,
+        "upstream v0.8.x gives the agent /dev/null"
+    );
     assert_eq!(config.kubernetes, None);
     assert_eq!(config.agentcore, None);
     config.validate().unwrap();
@@ -448,6 +454,60 @@ fn unknown_keys_name_the_full_path() {
         reason.contains("sandbox"),
         "the accepted keys are listed: {reason}"
     );
+}
+
+#[test]
+fn agent_stderr_defaults_keep_each_modes_behaviour() {
+    let shared = SessionRuntimeConfig::from_toml_section("").unwrap();
+    assert_eq!(shared.local.agent_stderr, None);
+    assert_eq!(shared.local.effective_agent_stderr(), AgentStderr::Discard);
+    let per_session = SessionRuntimeConfig::from_toml_section("[local]\nstorage = \"per-session\"").unwrap();
+    assert_eq!(per_session.local.agent_stderr, None);
+    assert_eq!(per_session.local.effective_agent_stderr(), AgentStderr::Warn);
+    assert_eq!(AgentStderr::Discard.level(), None);
+    assert_eq!(AgentStderr::Warn.level(), Some(tracing::Level::WARN));
+}
+
+#[test]
+fn agent_stderr_parses_every_value_in_both_storage_modes() {
+    for storage in ["shared", "per-session"] {
+        for value in AgentStderr::ALL {
+            let section = format!("[local]\nstorage = \"{storage}\"\nagent_stderr = \"{value}\"");
+            let config = SessionRuntimeConfig::from_toml_section(&section).unwrap();
+            assert_eq!(config.local.agent_stderr, Some(value), "{section}");
+            assert_eq!(config.local.effective_agent_stderr(), value, "{section}");
+            let document =
+                format!("[session_runtime.local]\nstorage = \"{storage}\"\nagent_stderr = \"{value}\"");
+            assert_eq!(
+                SessionRuntimeConfig::from_toml_document(&document).unwrap(),
+                config,
+                "{document}"
+            );
+        }
+    }
+    assert_eq!(
+        AgentStderr::ALL.map(|v| v.as_str()),
+        ["discard", "error", "warn", "info", "debug", "trace"]
+    );
+}
+
+#[test]
+fn a_bad_agent_stderr_value_names_the_key_and_lists_the_valid_ones() {
+    for bad in ["\"warning\"", "\"WARN\"", "\"\"", "\"off\"", "3", "true"] {
+        let reason = section_error(
+            &format!("[local]\nagent_stderr = {bad}"),
+            "session_runtime.local.agent_stderr",
+        );
+        if bad.starts_with('"') {
+            for valid in AgentStderr::ALL {
+                assert!(reason.contains(valid.as_str()), "{bad}: {reason}");
+            }
+        }
+        document_error(
+            &format!("[session_runtime.local]\nstorage = \"per-session\"\nagent_stderr = {bad}"),
+            "session_runtime.local.agent_stderr",
+        );
+    }
 }
 
 #[test]

@@ -1,0 +1,149 @@
+//! `session_runtime.local.agent_stderr` with per-session storage (plain, no sandbox): the agent's
+//! stderr is logged at WARN by default, as this runtime always did, or at the configured level,
+//! or discarded (`/dev/null`).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use runtime_local::LocalRuntimeBuilder;
+use session_runtime::config::{AgentStderr, SessionRuntimeConfig};
+use session_runtime::{AgentCommand, CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// Every event of this test binary, formatted without time or colour (one global subscriber:
+/// the runtime logs from the tasks it spawns, on any worker thread).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log lock").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log() -> &'static Captured {
+    static LOG: OnceLock<Captured> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer({
+                let log = log.clone();
+                move || log.clone()
+            })
+            .with_ansi(false)
+            .without_time()
+            .with_max_level(tracing::Level::TRACE)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this test binary");
+        log
+    })
+}
+
+/// The captured lines that mention `marker`.
+fn lines_with(marker: &str) -> Vec<String> {
+    let text = String::from_utf8_lossy(&log().0.lock().expect("log lock")).into_owned();
+    text.lines()
+        .filter(|l| l.contains(marker))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Runs an agent that writes `marker` to stderr, then says on stdout whether its stderr is
+/// `/dev/null`, under a runtime built from `local` (keys of `[session_runtime.local]` besides
+/// `storage` and `root`); returns that answer.
+async fn run(local: &str, marker: &str) -> bool {
+    log();
+    let root = tempfile::tempdir().expect("root");
+    let section = format!(
+        "[local]\nstorage = \"per-session\"\nroot = \"{}\"\n{local}",
+        root.path().display()
+    );
+    let config = SessionRuntimeConfig::from_toml_section(&section).expect("config");
+    let agent = AgentCommand::new("/bin/sh")
+        .args([
+            "-c",
+            &format!(
+                "echo '{marker}' >&2; if [ /dev/fd/2 -ef /dev/null ]; then echo NULL=yes; else echo NULL=no; fi; sleep 30"
+            ),
+        ])
+        ;
+    let runtime = LocalRuntimeBuilder::from_config(&config, agent)
+        .build()
+        .expect("runtime");
+    let identity =
+        SessionIdentity::new(config.installation.as_str(), "agent", "discord", marker).expect("identity");
+    let id = runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create")
+        .id;
+    let mut attachment = runtime.attach(&id).await.expect("attach");
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        BufReader::new(attachment.output()).read_line(&mut line),
+    )
+    .await
+    .expect("the agent answered")
+    .expect("read");
+    let is_null = match line.trim() {
+        "NULL=yes" => true,
+        "NULL=no" => false,
+        other => panic!("unexpected output {other:?}"),
+    };
+    if !is_null {
+        // The line was written before the answer; the logging task may still be reading it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lines_with(marker).is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    is_null
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_each_stderr_line_is_logged_at_warn() {
+    let marker = "stderr-marker-default";
+    assert!(!run("", marker).await, "unset: piped");
+    let lines = lines_with(marker);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].trim_start().starts_with("WARN"), "{lines:?}");
+    assert!(lines[0].contains("generation=1"), "{lines:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discard_gives_the_agent_dev_null() {
+    let marker = "stderr-marker-discard";
+    assert!(run("agent_stderr = \"discard\"", marker).await);
+    assert_eq!(lines_with(marker), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_stderr_line_is_logged_at_the_configured_level() {
+    for value in AgentStderr::ALL
+        .into_iter()
+        .filter(|v| *v != AgentStderr::Discard)
+    {
+        let level = value.level().expect("a level");
+        let marker = format!("stderr-marker-{value}");
+        assert!(
+            !run(&format!("agent_stderr = \"{value}\""), &marker).await,
+            "{value}: piped, not /dev/null"
+        );
+        let lines = lines_with(&marker);
+        assert_eq!(lines.len(), 1, "{value}: {lines:?}");
+        let line = &lines[0];
+        assert!(
+            line.trim_start().starts_with(&level.to_string()),
+            "{value}: logged at {level}: {line}"
+        );
+        assert!(line.contains(&format!("agent stderr: {marker}")), "{line}");
+        assert!(line.contains("session="), "with the session id: {line}");
+    }
+}
