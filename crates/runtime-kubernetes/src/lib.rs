@@ -24,6 +24,7 @@
 mod api;
 pub mod controller;
 pub mod leader;
+mod loss;
 mod names;
 mod network;
 mod pod;

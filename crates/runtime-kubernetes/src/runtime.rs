@@ -76,6 +76,8 @@ pub struct KubernetesRuntime {
     live: Mutex<HashMap<SessionId, Live>>,
     /// The profile versions whose egress policy this process applied (`name@version`).
     egress_applied: Mutex<std::collections::HashSet<String>>,
+    /// Tells live attachments that their worker Pod is gone; started by the first attach.
+    workers: std::sync::OnceLock<crate::loss::WorkerWatch>,
 }
 
 impl std::fmt::Debug for KubernetesRuntime {
@@ -273,6 +275,7 @@ impl KubernetesRuntimeBuilder {
             locks: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
             egress_applied: Mutex::new(std::collections::HashSet::new()),
+            workers: std::sync::OnceLock::new(),
         })
     }
 }
@@ -953,7 +956,8 @@ impl KubernetesRuntime {
         }
         let client = RelayClient::new(config, connector);
         let (fence, trigger) = Fence::new(*id, generation);
-        let attachment = self.connect(id, pod, client.attach(fence)).await?;
+        let lost = self.worker_watch().await?.lost(pod);
+        let attachment = self.connect(id, pod, client.attach_until(fence, lost)).await?;
         let renewal = tokio::spawn(renew_while_live(
             self.leases().await?.clone(),
             *id,
@@ -1437,6 +1441,20 @@ impl KubernetesRuntime {
                 Ok(Apis::new(client, &self.namespace))
             })
             .await
+    }
+
+    async fn worker_watch(&self) -> Result<&crate::loss::WorkerWatch> {
+        let pods = self.pods().await?;
+        Ok(self.workers.get_or_init(|| {
+            crate::loss::WorkerWatch::new(
+                pods.clone(),
+                format!(
+                    "{},{}=worker",
+                    names::installation_selector(&self.installation),
+                    names::ROLE
+                ),
+            )
+        }))
     }
 
     pub(crate) async fn pods(&self) -> Result<&Api<Pod>> {

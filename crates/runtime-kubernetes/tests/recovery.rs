@@ -1,5 +1,7 @@
-//! A worker Pod that is killed under a live attachment: the attachment ends with an error (it does
-//! not hang), and the next attach replaces the worker with a new generation on the same volume.
+//! A worker Pod that is killed under a live attachment: the attachment ends at once with the
+//! Pod's loss as its cause (the broker's watch of its worker Pods says so; the relay client's
+//! reconnect budget here is ten minutes), and the next attach replaces the worker with a new
+//! generation on the same volume.
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test recovery -- --ignored`.
@@ -10,8 +12,8 @@ use std::time::Duration;
 
 use common::{builder, AdminConfigMap, WORKER_PROFILE};
 use session_runtime::config::Reach;
-use session_runtime::testing::AcpClient;
-use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
+use session_runtime::testing::{AcpClient, ClientError};
+use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkerFailure};
 use test_cluster::k8s_openapi::api::core::v1::Pod;
 use test_cluster::kube::api::DeleteParams;
 use test_cluster::kube::Api;
@@ -24,7 +26,7 @@ async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on
     let cluster = TestCluster::connect().await;
     let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = builder(&cluster, &profile, Reach::PodIp, &installation)
-        .relay_reconnect_budget(Duration::from_secs(3))
+        .relay_reconnect_budget(Duration::from_secs(600))
         .build()
         .expect("runtime");
     let identity = SessionIdentity::new(&installation, "agent", "test", "killed").expect("identity");
@@ -39,6 +41,20 @@ async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on
     assert!(wrote.success(), "{wrote:?}");
     let first = runtime.status(&id).await.expect("status").generation;
 
+    // The relay is frozen first, so it cannot report the agent's end when the kubelet stops the
+    // container: only the broker's watch of its worker Pods can end the attachment in time.
+    let relays = relay_processes(id.as_str());
+    assert!(
+        !relays.is_empty(),
+        "the worker's relay runs on this machine's node"
+    );
+    for pid in &relays {
+        let status = std::process::Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("kill -STOP");
+        assert!(status.success(), "froze relay {pid}");
+    }
     // The node loses the Pod at once, as a force delete or a vanished node does.
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     pods.delete(
@@ -59,8 +75,15 @@ async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on
         }
     })
     .await
-    .expect("the attachment of a killed worker ends with an error instead of hanging");
+    .expect("the attachment of a killed worker ends long before the reconnect budget");
     eprintln!("the old attachment ended with: {ended}");
+    match &ended {
+        ClientError::Runtime(Error::WorkerFailed {
+            cause: WorkerFailure::Evicted(why),
+            ..
+        }) => assert!(why.contains("deleted"), "{why}"),
+        other => panic!("the attachment must end with the Pod's loss, got {other:?}"),
+    }
     drop(client);
 
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach replaces the worker"));
@@ -75,4 +98,23 @@ async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on
     assert_eq!(read.stdout, "kept\n", "the same volume: {read:?}");
     drop(client);
     runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
+
+/// The pids of the relay processes (on the test cluster's real node, which is this machine) that
+/// serve `session`: those whose environment names it.
+fn relay_processes(session: &str) -> Vec<u32> {
+    let wanted = format!("OAB_RELAY_SESSION={session}");
+    std::fs::read_dir("/proc")
+        .expect("read /proc")
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            comm.trim() == "oab-relay"
+                && environ
+                    .split(|byte| *byte == 0)
+                    .any(|var| var == wanted.as_bytes())
+        })
+        .collect()
 }

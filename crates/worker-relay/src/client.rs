@@ -15,6 +15,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::Mutex;
 use session_runtime::{
     Attachment, AttachmentParts, Error, ExitCell, Fence, Generation, SessionId, WorkerControl, WorkerExit,
+    WorkerFailure,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter, ReadBuf};
 use tokio::sync::{oneshot, watch, Notify};
@@ -193,6 +194,29 @@ impl RelayClient {
     /// # Cancellation
     /// Dropping the future abandons the connection; the relay keeps the agent.
     pub async fn attach(&self, fence: Fence) -> Result<Attachment, Error> {
+        self.attach_watched(fence, None).await
+    }
+
+    /// [`attach`](Self::attach), told of the worker's loss by whoever placed it: when `lost`
+    /// resolves (its Pod was deleted, its node is gone), the attachment ends at once with
+    /// [`Error::WorkerFailed`] and that cause, instead of reconnecting to a relay that is no
+    /// longer there for the whole reconnect budget. `lost` is dropped when the attachment ends
+    /// any other way.
+    ///
+    /// # Errors
+    /// As [`attach`](Self::attach), and [`Error::WorkerFailed`] if `lost` resolves first.
+    ///
+    /// # Cancellation
+    /// As [`attach`](Self::attach).
+    pub async fn attach_until(
+        &self,
+        fence: Fence,
+        lost: impl std::future::Future<Output = WorkerFailure> + Send + 'static,
+    ) -> Result<Attachment, Error> {
+        self.attach_watched(fence, Some(Box::pin(lost))).await
+    }
+
+    async fn attach_watched(&self, fence: Fence, lost: Option<LossSignal>) -> Result<Attachment, Error> {
         let shared = Arc::new(Shared {
             config: self.config.clone(),
             state: Mutex::new(LinkState::new()),
@@ -211,13 +235,20 @@ impl RelayClient {
             Arc::clone(&self.connector),
             first_tx,
         ));
+        if let Some(lost) = lost {
+            tokio::spawn(end_when_lost(Arc::clone(&shared), link.abort_handle(), lost));
+        }
         let welcome = match first_rx.await {
             Ok(Ok(welcome)) => welcome,
             Ok(Err(error)) => return Err(error.to_runtime(self.config.session, self.config.generation)),
             Err(_) => {
                 link.abort();
-                return Err(Error::Disconnected {
-                    id: self.config.session,
+                let failed = shared.failed.borrow().clone();
+                return Err(match failed {
+                    Some(error) => shared.error(&error),
+                    None => Error::Disconnected {
+                        id: self.config.session,
+                    },
                 });
             }
         };
@@ -356,6 +387,29 @@ impl Shared {
         }
         self.out_space.notify_one();
         self.wake_writer.notify_one();
+    }
+}
+
+/// What tells an attachment its worker is gone.
+type LossSignal = Pin<Box<dyn std::future::Future<Output = WorkerFailure> + Send>>;
+
+/// Ends the attachment with the worker's loss when `lost` resolves first; gives up watching
+/// once the attachment ended otherwise (exit, failure, detach).
+async fn end_when_lost(shared: Arc<Shared>, link: tokio::task::AbortHandle, lost: LossSignal) {
+    let mut failed = shared.failed.subscribe();
+    tokio::select! {
+        cause = lost => {
+            if shared.state.lock().exited {
+                return;
+            }
+            // The link may be inside a connection attempt or its backoff: it stops here, and
+            // its first-welcome sender with it.
+            link.abort();
+            shared.fail(RelayError::WorkerLost(cause));
+        }
+        _ = shared.exit.wait() => {}
+        _ = failed.wait_for(Option::is_some) => {}
+        () = shared.detached.cancelled() => {}
     }
 }
 

@@ -41,6 +41,9 @@ pub(crate) enum RelayError {
     /// The relay accepted input this client never sent: another broker wrote to the agent.
     #[error("the relay accepted input this client never sent (another broker took over)")]
     Diverged,
+    /// Whoever placed the worker says it is gone (its Pod deleted, its node lost).
+    #[error("the worker is gone: {0}")]
+    WorkerLost(WorkerFailure),
     /// Reconnecting failed for too long.
     #[error("gave up reconnecting after {after:?}: {last}")]
     GaveUp {
@@ -69,7 +72,7 @@ impl RelayError {
                     | ErrorCode::SpawnFailed
                     | ErrorCode::InputOverflow
             ),
-            RelayError::Diverged | RelayError::GaveUp { .. } => true,
+            RelayError::Diverged | RelayError::GaveUp { .. } | RelayError::WorkerLost(_) => true,
             RelayError::Connect(error) => Refusal::from_io(error).is_some(),
             RelayError::Transport(_)
             | RelayError::Frame(_)
@@ -87,6 +90,7 @@ impl RelayError {
     /// | `spawn-failed` | [`Error::WorkerFailed`] with [`WorkerFailure::Spawn`] |
     /// | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | [`Error::Backend`], not retryable |
     /// | the connector's [`Refusal`] | [`Error::Backend`], retryable as the refusal says |
+    /// | the worker lost, as its placer said ([`RelayClient::attach_until`](crate::RelayClient::attach_until)) | [`Error::WorkerFailed`] with that cause |
     /// | never connected within the reconnect budget | [`Error::Backend`], retryable |
     /// | connection lost for longer than the reconnect budget, anything else | [`Error::Disconnected`] |
     pub(crate) fn to_runtime(self: &Arc<Self>, id: SessionId, generation: Generation) -> Error {
@@ -126,6 +130,10 @@ impl RelayError {
             RelayError::Connect(error) => match Refusal::from_io(error) {
                 Some(refusal) => backend(refusal.retryable(), refusal.message()),
                 None => Error::Disconnected { id },
+            },
+            RelayError::WorkerLost(cause) => Error::WorkerFailed {
+                id,
+                cause: cause.clone(),
             },
             RelayError::GaveUp {
                 ever_connected: false,

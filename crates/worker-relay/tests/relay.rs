@@ -627,3 +627,97 @@ async fn a_connector_refusal_is_not_retried() {
         }
     }
 }
+
+/// A client told its worker is gone ends at once with that cause, instead of reconnecting to a
+/// relay that is no longer there for its whole reconnect budget (here ten minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_its_placer_reports_lost_ends_the_attachment_at_once_with_the_cause() {
+    let mut relay =
+        RelayProcess::start(common::session("lost"), &["cat".into()], RelayOptions::default()).await;
+    let config = relay.config(1).give_up_after(Duration::from_secs(600));
+    let (report, lost) = tokio::sync::oneshot::channel::<()>();
+    let lost = async move {
+        let _ = lost.await;
+        session_runtime::WorkerFailure::Evicted("the worker Pod was deleted".into())
+    };
+    let (fence, _trigger) = session_runtime::Fence::new(relay.session, relay.generation);
+    let mut attachment = within(
+        "attach",
+        RelayClient::new(config, relay.connector()).attach_until(fence, lost),
+    )
+    .await
+    .expect("attach");
+    attachment.input().write_line("before").await.expect("write");
+    assert_eq!(read_line(&mut attachment).await, "before");
+
+    // The relay vanishes without a word (SIGKILL, as with a lost node): the client reconnects.
+    relay.child.start_kill().expect("kill the relay");
+    relay.child.wait().await.expect("reap the relay");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    report.send(()).expect("the watcher still listens");
+
+    let mut byte = [0u8; 1];
+    let error = within("the output ends", attachment.output().read(&mut byte))
+        .await
+        .expect_err("the output ends with the loss");
+    match Error::from_io(&error) {
+        Some(Error::WorkerFailed {
+            cause: session_runtime::WorkerFailure::Evicted(why),
+            ..
+        }) => assert!(why.contains("deleted"), "{why}"),
+        other => panic!("expected the placer's cause, got {other:?} ({error})"),
+    }
+    match within("wait", attachment.control().wait()).await {
+        Err(Error::WorkerFailed { .. }) => {}
+        other => panic!("wait must give the loss, got {other:?}"),
+    }
+}
+
+/// A loss reported before the relay ever answered fails the attach itself with the cause; a
+/// loss that never comes leaves a normal exit alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loss_before_the_first_connection_fails_the_attach_and_none_leaves_an_exit_alone() {
+    let relay = RelayProcess::start(
+        common::session("lost-early"),
+        &["cat".into()],
+        RelayOptions::default(),
+    )
+    .await;
+    let unreachable = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr")
+    };
+    let config = relay.config(1).give_up_after(Duration::from_secs(600));
+    let (fence, _trigger) = session_runtime::Fence::new(relay.session, relay.generation);
+    let lost = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        session_runtime::WorkerFailure::Evicted("its node is gone".into())
+    };
+    let connector = Arc::new(worker_relay::TcpConnector::new(unreachable.to_string()));
+    match within(
+        "attach",
+        RelayClient::new(config, connector).attach_until(fence, lost),
+    )
+    .await
+    {
+        Err(Error::WorkerFailed {
+            cause: session_runtime::WorkerFailure::Evicted(why),
+            ..
+        }) => assert!(why.contains("node"), "{why}"),
+        other => panic!("expected the loss, got {other:?}"),
+    }
+
+    let (fence, _trigger) = session_runtime::Fence::new(relay.session, relay.generation);
+    let mut attachment = within(
+        "attach",
+        RelayClient::new(relay.config(1), relay.connector()).attach_until(fence, std::future::pending()),
+    )
+    .await
+    .expect("attach");
+    attachment.input().close().await.expect("close stdin");
+    assert_eq!(read_to_end(&mut attachment).await, "");
+    assert_eq!(
+        within("wait", attachment.control().wait()).await.expect("exit"),
+        WorkerExit::Code(0)
+    );
+}

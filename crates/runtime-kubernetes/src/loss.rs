@@ -1,0 +1,270 @@
+//! Noticing that a live attachment's worker is gone: one watch of the installation's worker Pods
+//! per broker, shared by every attachment, tells each the moment its Pod is deleted (a force
+//! delete, an eviction, the Pod GC after its node was removed) or failed, so the attachment ends
+//! with that cause at once instead of after the relay client's reconnect budget.
+//!
+//! A graceful end needs none of this: the relay reports the agent's exit before its Pod goes, and
+//! an attachment that has ended stops listening. A node that only stops answering keeps its Pods
+//! until the node controller evicts them; until then the reconnect budget is what ends the
+//! attachment.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, ResourceExt};
+use parking_lot::Mutex;
+use session_runtime::WorkerFailure;
+use tokio::sync::oneshot;
+use tokio::task::AbortHandle;
+
+use crate::start::{progress, Progress};
+
+/// The shared watch, started by the first attachment that asks.
+#[derive(Debug)]
+pub(crate) struct WorkerWatch {
+    pods: Api<Pod>,
+    selector: String,
+    state: Arc<Mutex<Watched>>,
+    task: std::sync::OnceLock<AbortHandle>,
+}
+
+#[derive(Debug, Default)]
+struct Watched {
+    /// By Pod UID: who to tell, and the list round the subscription came in.
+    listeners: HashMap<String, Listener>,
+    /// Counts the watch's (re)lists; a listener is checked against a list only if it subscribed
+    /// before that list began (its Pod then must be in it).
+    round: u64,
+    /// The UIDs the list in progress has shown.
+    listed: HashSet<String>,
+}
+
+#[derive(Debug)]
+struct Listener {
+    pod: String,
+    round: u64,
+    tell: oneshot::Sender<WorkerFailure>,
+}
+
+impl Watched {
+    fn tell(&mut self, uid: &str, cause: impl FnOnce(&str) -> WorkerFailure) {
+        if let Some(listener) = self.listeners.remove(uid) {
+            let _ = listener.tell.send(cause(&listener.pod));
+        }
+    }
+
+    fn apply(&mut self, event: Event<Pod>) {
+        match event {
+            Event::Init => {
+                self.round += 1;
+                self.listed.clear();
+            }
+            Event::InitApply(pod) => {
+                self.listed.insert(pod.uid().unwrap_or_default());
+                self.applied(&pod);
+            }
+            Event::Apply(pod) => self.applied(&pod),
+            Event::Delete(pod) => self.tell(&pod.uid().unwrap_or_default(), deleted),
+            Event::InitDone => {
+                let round = self.round;
+                let gone: Vec<String> = self
+                    .listeners
+                    .iter()
+                    .filter(|(uid, listener)| listener.round < round && !self.listed.contains(*uid))
+                    .map(|(uid, _)| uid.clone())
+                    .collect();
+                for uid in gone {
+                    self.tell(&uid, deleted);
+                }
+                self.listed.clear();
+            }
+        }
+        // Attachments that ended stopped listening.
+        self.listeners.retain(|_, listener| !listener.tell.is_closed());
+    }
+
+    fn applied(&mut self, pod: &Pod) {
+        if let Progress::Failed(cause) = progress(pod) {
+            self.tell(&pod.uid().unwrap_or_default(), |_| cause);
+        }
+    }
+}
+
+fn deleted(pod: &str) -> WorkerFailure {
+    WorkerFailure::Evicted(format!(
+        "the worker Pod {pod} was deleted under the live attachment; the next attach starts a new one"
+    ))
+}
+
+impl WorkerWatch {
+    /// A watch of the Pods that `selector` picks, not started yet.
+    pub(crate) fn new(pods: Api<Pod>, selector: String) -> Self {
+        Self {
+            pods,
+            selector,
+            state: Arc::default(),
+            task: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Resolves with the cause when `pod` (that Pod: by UID) is deleted or fails; never, if the
+    /// watch cannot say. Dropping it stops listening.
+    pub(crate) fn lost(&self, pod: &Pod) -> impl Future<Output = WorkerFailure> + Send + 'static {
+        self.start();
+        let (tell, told) = oneshot::channel();
+        {
+            let mut state = self.state.lock();
+            let round = state.round;
+            state.listeners.insert(
+                pod.uid().unwrap_or_default(),
+                Listener {
+                    pod: pod.name_any(),
+                    round,
+                    tell,
+                },
+            );
+        }
+        async move {
+            match told.await {
+                Ok(cause) => cause,
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+
+    fn start(&self) {
+        self.task.get_or_init(|| {
+            let stream = watcher::watcher(
+                self.pods.clone(),
+                watcher::Config::default().labels(&self.selector),
+            )
+            .default_backoff();
+            let state = Arc::clone(&self.state);
+            tokio::spawn(async move {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(event) => state.lock().apply(event),
+                        // The backoff retries; a relist afterwards catches what was missed.
+                        Err(error) => tracing::debug!("watching worker Pods failed: {error}"),
+                    }
+                }
+            })
+            .abort_handle()
+        });
+    }
+}
+
+impl Drop for WorkerWatch {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.get() {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn pod(name: &str, uid: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                uid: Some(uid.to_owned()),
+                ..ObjectMeta::default()
+            },
+            ..Pod::default()
+        }
+    }
+
+    fn listen(state: &mut Watched, pod: &Pod) -> oneshot::Receiver<WorkerFailure> {
+        let (tell, told) = oneshot::channel();
+        let round = state.round;
+        state.listeners.insert(
+            pod.uid().unwrap_or_default(),
+            Listener {
+                pod: pod.name_any(),
+                round,
+                tell,
+            },
+        );
+        told
+    }
+
+    #[test]
+    fn a_deleted_pod_is_told_by_uid_and_a_namesake_is_not_it() {
+        let mut state = Watched::default();
+        let mut told = listen(&mut state, &pod("oab-w-a", "uid-1"));
+        state.apply(Event::Delete(pod("oab-w-a", "uid-0")));
+        assert!(
+            told.try_recv().is_err(),
+            "an older Pod of the same name is not this one"
+        );
+        state.apply(Event::Apply(pod("oab-w-a", "uid-1")));
+        assert!(told.try_recv().is_err(), "a running Pod is not lost");
+        state.apply(Event::Delete(pod("oab-w-a", "uid-1")));
+        match told.try_recv() {
+            Ok(WorkerFailure::Evicted(why)) => assert!(why.contains("oab-w-a"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(state.listeners.is_empty());
+    }
+
+    #[test]
+    fn a_relist_that_misses_a_pod_tells_only_listeners_that_came_before_it() {
+        let mut state = Watched::default();
+        let mut before = listen(&mut state, &pod("oab-w-a", "uid-a"));
+        state.apply(Event::Init);
+        // Subscribed while the list runs: the list may predate its Pod.
+        let mut during = listen(&mut state, &pod("oab-w-b", "uid-b"));
+        state.apply(Event::InitApply(pod("oab-w-c", "uid-c")));
+        state.apply(Event::InitDone);
+        assert!(
+            matches!(before.try_recv(), Ok(WorkerFailure::Evicted(_))),
+            "gone while unwatched"
+        );
+        assert!(during.try_recv().is_err(), "not judged by a list older than it");
+        let mut kept = listen(&mut state, &pod("oab-w-c", "uid-c"));
+        state.apply(Event::Init);
+        state.apply(Event::InitApply(pod("oab-w-c", "uid-c")));
+        state.apply(Event::InitDone);
+        assert!(kept.try_recv().is_err(), "listed again: still there");
+    }
+
+    #[test]
+    fn a_failed_pod_is_told_with_its_classified_cause_and_ended_listeners_are_dropped() {
+        use k8s_openapi::api::core::v1::{
+            ContainerState, ContainerStateTerminated, ContainerStatus, PodStatus,
+        };
+        let mut state = Watched::default();
+        let mut told = listen(&mut state, &pod("oab-w-a", "uid-a"));
+        let gone = listen(&mut state, &pod("oab-w-b", "uid-b"));
+        drop(gone);
+        let mut failed = pod("oab-w-a", "uid-a");
+        failed.status = Some(PodStatus {
+            container_statuses: Some(vec![ContainerStatus {
+                name: "relay".to_owned(),
+                state: Some(ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 137,
+                        reason: Some("OOMKilled".to_owned()),
+                        ..ContainerStateTerminated::default()
+                    }),
+                    ..ContainerState::default()
+                }),
+                ..ContainerStatus::default()
+            }]),
+            ..PodStatus::default()
+        });
+        state.apply(Event::Apply(failed));
+        assert!(matches!(told.try_recv(), Ok(WorkerFailure::OutOfMemory)));
+        assert!(state.listeners.is_empty(), "the ended listener was dropped too");
+    }
+}
