@@ -172,3 +172,229 @@ async fn verify_proves_isolation_between_worker_pods_and_says_what_it_proved() {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
 }
+
+/// A profile whose sessions need no volume: `create` makes the anchor alone.
+const EPHEMERAL_PROFILE: &str = r#"
+image = "openab.dev/worker:test"
+image_pull_policy = "Never"
+agent = ["/usr/local/bin/acp-test-agent"]
+
+[storage]
+kind = "ephemeral"
+"#;
+
+/// The API server's port, from the admin kubeconfig `scripts/cluster env` names.
+fn apiserver_port() -> String {
+    let path = std::env::var("KUBECONFIG").expect("scripts/cluster env sets KUBECONFIG");
+    let text = std::fs::read_to_string(&path).expect("read the kubeconfig");
+    text.lines()
+        .find_map(|line| line.trim().strip_prefix("server: https://127.0.0.1:"))
+        .expect("the kubeconfig names the API server on 127.0.0.1")
+        .trim()
+        .to_owned()
+}
+
+fn kubectl(args: &[&str]) -> String {
+    let output = Command::new("kubectl")
+        .args(args)
+        .output()
+        .expect("kubectl (scripts/cluster env puts it on PATH)");
+    assert!(
+        output.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Rewrites the session's record on its anchor, through the admin's client.
+async fn edit_record(leases: &Api<Lease>, name: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut anchor = leases.get(name).await.expect("the anchor");
+    let annotations = anchor.metadata.annotations.as_mut().expect("annotations");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&annotations["openab.dev/record"]).expect("the record is JSON");
+    edit(&mut record);
+    annotations.insert("openab.dev/record".into(), record.to_string());
+    leases
+        .replace(name, &PostParams::default(), &anchor)
+        .await
+        .expect("write the record");
+}
+
+async fn record_of(leases: &Api<Lease>, name: &str) -> serde_json::Value {
+    let anchor = leases.get(name).await.expect("the anchor");
+    let text = anchor
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("openab.dev/record"))
+        .expect("a record")
+        .clone();
+    serde_json::from_str(&text).expect("the record is JSON")
+}
+
+/// `deploy/kubernetes/controller.yaml` itself, applied with `kubectl apply -k` through an overlay
+/// that sets only what the test cluster needs: the image built from this `oab-runtime`, this
+/// test's installation, and the host's network, because the test cluster's API server listens on
+/// 127.0.0.1 and has no Service network (a production cluster reaches it through the
+/// `kubernetes` Service, which the in-cluster configuration finds by itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test --features cli,kubernetes -- --ignored"]
+async fn the_controller_deployment_leads_in_cluster_finishes_an_interrupted_close_and_hands_over() {
+    let cluster = TestCluster::connect().await;
+    let installation = unique_name("deployed");
+    let namespace = cluster.sessions_namespace().to_owned();
+    let maps = config_map(&cluster, &installation, "profile.toml", EPHEMERAL_PROFILE).await;
+
+    let image = Command::new("scripts/cluster")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["image", "controller", env!("CARGO_BIN_EXE_oab-runtime")])
+        .output()
+        .expect("scripts/cluster image");
+    assert!(
+        image.status.success(),
+        "building the controller image: {}",
+        String::from_utf8_lossy(&image.stderr)
+    );
+
+    let overlay = tempfile::tempdir().expect("an overlay directory");
+    std::fs::copy(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/kubernetes/controller.yaml"),
+        overlay.path().join("controller.yaml"),
+    )
+    .expect("copy controller.yaml");
+    let config = format!(
+        "[session_runtime]\ntype = \"kubernetes\"\ninstallation = \"{installation}\"\n\
+         [session_runtime.kubernetes]\nnamespace = \"{namespace}\"\nprofile = \"{installation}\"\n"
+    );
+    let kustomization = format!(
+        r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [controller.yaml]
+images:
+  - name: oab-runtime
+    newName: openab.dev/controller
+    newTag: test
+patches:
+  - target: {{ kind: ConfigMap, name: oab-controller }}
+    patch: |-
+      - op: replace
+        path: /data/openab.toml
+        value: {config:?}
+  - target: {{ kind: Deployment, name: oab-controller }}
+    patch: |-
+      - op: add
+        path: /spec/template/spec/hostNetwork
+        value: true
+      - op: add
+        path: /spec/template/spec/containers/0/imagePullPolicy
+        value: Never
+      - op: add
+        path: /spec/template/spec/containers/0/env/-
+        value: {{ name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1" }}
+      - op: add
+        path: /spec/template/spec/containers/0/env/-
+        value: {{ name: KUBERNETES_SERVICE_PORT, value: "{port}" }}
+"#,
+        port = apiserver_port()
+    );
+    std::fs::write(overlay.path().join("kustomization.yaml"), kustomization).expect("write the overlay");
+    let overlay_path = overlay.path().to_str().expect("a UTF-8 path").to_owned();
+    kubectl(&["apply", "-k", &overlay_path]);
+
+    // One of the two replicas leads: the Lease names one of the Deployment's Pods.
+    let pods: Api<test_cluster::k8s_openapi::api::core::v1::Pod> = Api::namespaced(cluster.admin(), "openab");
+    let leases: Api<Lease> = Api::namespaced(cluster.admin(), &namespace);
+    let leader_lease = format!("oab-leader-{installation}");
+    let leader = || async {
+        let lease = leases.get_opt(&leader_lease).await.ok()??;
+        let spec = lease.spec?;
+        Some((spec.holder_identity?, spec.lease_transitions.unwrap_or(0)))
+    };
+    let controller_pods = || async {
+        pods.list(
+            &test_cluster::kube::api::ListParams::default().labels("app.kubernetes.io/name=oab-controller"),
+        )
+        .await
+        .map(|list| {
+            list.items
+                .into_iter()
+                .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+                .filter_map(|pod| pod.metadata.name)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default()
+    };
+    let (first, first_transitions) =
+        wait_until("a controller Pod to lead", Duration::from_secs(120), || async {
+            let (holder, transitions) = leader().await?;
+            let names = controller_pods().await;
+            let pod = names.into_iter().find(|name| holder.starts_with(name.as_str()))?;
+            Some((pod, transitions))
+        })
+        .await;
+
+    // The leader finishes a close that a broker left half done.
+    let runtime = openab_runtime::from_config(
+        &openab_runtime::config::SessionRuntimeConfig::from_toml_document(&config).expect("config"),
+        &openab_runtime::AgentCommand::new("/usr/local/bin/acp-test-agent"),
+    )
+    .expect("the broker's runtime");
+    let (done, interrupted) = (
+        openab_runtime::SessionIdentity::new(&installation, "agent", "test", "done").expect("identity"),
+        openab_runtime::SessionIdentity::new(&installation, "agent", "test", "interrupted")
+            .expect("identity"),
+    );
+    for identity in [&done, &interrupted] {
+        runtime
+            .create(identity, &openab_runtime::CreateOptions::new())
+            .await
+            .expect("create");
+    }
+    runtime
+        .close(&done.id(), openab_runtime::CloseReason::Reset)
+        .await
+        .expect("close");
+    let closed = record_of(&leases, &format!("oab-s-{}", done.id())).await;
+    let anchor = format!("oab-s-{}", interrupted.id());
+    edit_record(&leases, &anchor, |record| {
+        record["phase"] = serde_json::json!("closing");
+        let mut close = closed["close"].clone();
+        close["storage_done"] = serde_json::json!(false);
+        record["close"] = close;
+    })
+    .await;
+    wait_until(
+        "the in-cluster controller to finish the close",
+        Duration::from_secs(60),
+        || async { (record_of(&leases, &anchor).await["phase"] == "closed").then_some(()) },
+    )
+    .await;
+
+    // Its Pod goes (gracefully: the Lease is given up), and the other replica takes over.
+    kubectl(&["-n", "openab", "delete", "pod", &first, "--wait=false"]);
+    let (second, second_transitions) =
+        wait_until("the other replica to lead", Duration::from_secs(90), || async {
+            let (holder, transitions) = leader().await?;
+            let names = controller_pods().await;
+            let pod = names
+                .into_iter()
+                .find(|name| name != &first && holder.starts_with(name.as_str()))?;
+            Some((pod, transitions))
+        })
+        .await;
+    eprintln!("led by {first} (transitions {first_transitions}), then by {second} ({second_transitions})");
+    assert!(
+        second_transitions > first_transitions,
+        "a handover is a new term: {first_transitions} then {second_transitions} ({first} then {second})"
+    );
+
+    kubectl(&["delete", "-k", &overlay_path, "--wait=true"]);
+    let _ = leases.delete(&leader_lease, &DeleteParams::default()).await;
+    for identity in [&done, &interrupted] {
+        let _ = runtime
+            .close(&identity.id(), openab_runtime::CloseReason::Reset)
+            .await;
+    }
+    let _ = maps.delete(&installation, &DeleteParams::default()).await;
+}
