@@ -37,6 +37,9 @@ kind create cluster --name "$cluster" --image "$node_image" --kubeconfig "$admin
 export KUBECONFIG=$admin
 # The same worker image the local cluster imports, written from local files.
 kind load image-archive "$("$repo/e2e/images/build" worker)" --name "$cluster"
+# The controller image, from the oab-runtime the kubernetes_cli test runs (same features).
+(cd "$repo" && cargo build --locked -p openab-runtime --all-features --bin oab-runtime)
+kind load image-archive "$("$repo/e2e/images/build" controller "${CARGO_TARGET_DIR:-$repo/target}/debug/oab-runtime")" --name "$cluster"
 
 # The deploy files, exactly as an operator applies them.
 kubectl apply --server-side --field-manager openab-e2e -k "$repo/deploy/kubernetes"
@@ -64,6 +67,8 @@ export OPENAB_BROKER_KUBECONFIG=$broker
 export OPENAB_SESSIONS_NAMESPACE=openab-sessions
 export OPENAB_KUBERNETES_VERSION=$KUBERNETES_VERSION
 export OPENAB_KWOK_NODES=0
+# kind's: images are loaded above, and Pods reach the API server through the kubernetes Service.
+export OPENAB_CLUSTER_KIND=1
 # Not on kind: its nodes are real (no kwok), its storage is local-path, not the test provisioner
 # of scripts/cluster, and its Pod network lets Pods out (the no-egress bridge is ours).
 cargo test --locked -p runtime-kubernetes --all-features --tests -- --ignored \

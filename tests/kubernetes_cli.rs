@@ -246,16 +246,21 @@ async fn the_controller_deployment_leads_in_cluster_finishes_an_interrupted_clos
     let namespace = cluster.sessions_namespace().to_owned();
     let maps = config_map(&cluster, &installation, "profile.toml", EPHEMERAL_PROFILE).await;
 
-    let image = Command::new("scripts/cluster")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["image", "controller", env!("CARGO_BIN_EXE_oab-runtime")])
-        .output()
-        .expect("scripts/cluster image");
-    assert!(
-        image.status.success(),
-        "building the controller image: {}",
-        String::from_utf8_lossy(&image.stderr)
-    );
+    // On kind (scripts/kind-e2e.sh) the image is loaded already and Pods reach the API server
+    // through the kubernetes Service; the test cluster's API server listens on 127.0.0.1 only.
+    let on_kind = std::env::var_os("OPENAB_CLUSTER_KIND").is_some();
+    if !on_kind {
+        let image = Command::new("scripts/cluster")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["image", "controller", env!("CARGO_BIN_EXE_oab-runtime")])
+            .output()
+            .expect("scripts/cluster image");
+        assert!(
+            image.status.success(),
+            "building the controller image: {}",
+            String::from_utf8_lossy(&image.stderr)
+        );
+    }
 
     let overlay = tempfile::tempdir().expect("an overlay directory");
     std::fs::copy(
@@ -284,11 +289,16 @@ patches:
   - target: {{ kind: Deployment, name: oab-controller }}
     patch: |-
       - op: add
-        path: /spec/template/spec/hostNetwork
-        value: true
-      - op: add
         path: /spec/template/spec/containers/0/imagePullPolicy
         value: Never
+{host_network}"#,
+        host_network = if on_kind {
+            String::new()
+        } else {
+            format!(
+                r#"      - op: add
+        path: /spec/template/spec/hostNetwork
+        value: true
       - op: add
         path: /spec/template/spec/containers/0/env/-
         value: {{ name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1" }}
@@ -296,7 +306,9 @@ patches:
         path: /spec/template/spec/containers/0/env/-
         value: {{ name: KUBERNETES_SERVICE_PORT, value: "{port}" }}
 "#,
-        port = apiserver_port()
+                port = apiserver_port()
+            )
+        }
     );
     std::fs::write(overlay.path().join("kustomization.yaml"), kustomization).expect("write the overlay");
     let overlay_path = overlay.path().to_str().expect("a UTF-8 path").to_owned();

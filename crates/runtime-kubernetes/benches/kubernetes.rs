@@ -3,7 +3,9 @@
 //!
 //! 1. API requests of one lifecycle (create, attach, suspend, attach, close), counted by kind.
 //! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
-//!    Pod of the same image from create to Ready, in the same run (median of 20 each).
+//!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
+//!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
+//!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //!
@@ -155,38 +157,63 @@ fn median(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
     (samples[0], samples[samples.len() / 2], samples[samples.len() - 1])
 }
 
+/// Creates `pod`, waits for it to be Ready, deletes it; how long to Ready.
+async fn bare_pod_to_ready(pods: &Api<Pod>, pod: Pod) -> Duration {
+    let name = pod.metadata.name.clone().expect("a name");
+    let started = Instant::now();
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("a bare Pod");
+    wait_until("the bare Pod to be Ready", Duration::from_secs(120), || async {
+        let pod = pods.get(&name).await.ok()?;
+        let ready = pod
+            .status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        ready.then_some(())
+    })
+    .await;
+    let elapsed = started.elapsed();
+    let _ = pods
+        .delete(
+            &name,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..DeleteParams::default()
+            },
+        )
+        .await;
+    elapsed
+}
+
 async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRuntime, installation: &str) {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let mut bare = Vec::new();
+    let mut shaped = Vec::new();
+    let mut attached = Vec::new();
     let mut attach = Vec::new();
-    // Interleaved, so a machine that slows down mid-run slows both alike.
+    // Interleaved, so a machine that slows down mid-run slows all alike.
     for sample in 0..SAMPLES {
-        let name = format!("{installation}-bare-{sample}");
-        let pod = restricted_pod(&name, "openab.dev/worker:test", &["/bin/sleep", "3600"]);
-        let started = Instant::now();
-        pods.create(&PostParams::default(), &pod)
-            .await
-            .expect("a bare Pod");
-        wait_until("the bare Pod to be Ready", Duration::from_secs(120), || async {
-            let pod = pods.get(&name).await.ok()?;
-            let ready = pod
-                .status?
-                .conditions?
-                .iter()
-                .any(|c| c.type_ == "Ready" && c.status == "True");
-            ready.then_some(())
-        })
-        .await;
-        bare.push(started.elapsed());
-        let _ = pods
-            .delete(
-                &name,
-                &DeleteParams {
-                    grace_period_seconds: Some(0),
-                    ..DeleteParams::default()
-                },
-            )
-            .await;
+        let pod = restricted_pod(
+            &format!("{installation}-bare-{sample}"),
+            "openab.dev/worker:test",
+            &["/bin/sleep", "3600"],
+        );
+        bare.push(bare_pod_to_ready(&pods, pod).await);
+        // The worker's shape: the same container first as an init container that exits at once.
+        let mut pod = restricted_pod(
+            &format!("{installation}-shaped-{sample}"),
+            "openab.dev/worker:test",
+            &["/bin/sleep", "3600"],
+        );
+        if let Some(spec) = pod.spec.as_mut() {
+            let mut init = spec.containers[0].clone();
+            init.name = "prepare".to_owned();
+            init.command = Some(vec!["/bin/true".to_owned()]);
+            spec.init_containers = Some(vec![init]);
+        }
+        shaped.push(bare_pod_to_ready(&pods, pod).await);
 
         let identity = SessionIdentity::new(installation, "agent", "bench", format!("attach-{sample}"))
             .expect("identity");
@@ -196,20 +223,30 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
             .await
             .expect("create");
         let started = Instant::now();
-        let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+        let attachment = runtime.attach(&id).await.expect("attach");
+        attached.push(started.elapsed());
+        let client = AcpClient::new(attachment);
         client.initialize().await.expect("the first ACP reply");
         attach.push(started.elapsed());
         drop(client);
         runtime.close(&id, CloseReason::Reset).await.expect("close");
     }
     let (bare_min, bare_median, bare_max) = median(bare);
+    let (shaped_min, shaped_median, shaped_max) = median(shaped);
+    let (attached_min, attached_median, attached_max) = median(attached);
     let (attach_min, attach_median, attach_max) = median(attach);
     println!("attach of a new session to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
-    println!("  bare Pod      min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}");
-    println!("  attach        min {attach_min:>9.1?}  median {attach_median:>9.1?}  max {attach_max:>9.1?}");
     println!(
-        "  ratio of medians: {:.2}x",
-        attach_median.as_secs_f64() / bare_median.as_secs_f64()
+        "  bare Pod              min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}"
+    );
+    println!("  bare Pod, init + main min {shaped_min:>9.1?}  median {shaped_median:>9.1?}  max {shaped_max:>9.1?}");
+    println!("  attach returned       min {attached_min:>9.1?}  median {attached_median:>9.1?}  max {attached_max:>9.1?}");
+    println!("  first ACP reply       min {attach_min:>9.1?}  median {attach_median:>9.1?}  max {attach_max:>9.1?}");
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+    println!(
+        "  ratio of medians: {:.2}x the bare Pod; {:.2}x the bare Pod of the worker's shape",
+        ratio(attach_median, bare_median),
+        ratio(attach_median, shaped_median)
     );
 }
 

@@ -11,6 +11,7 @@
 //! | `OPENAB_SESSIONS_NAMESPACE` | the sessions namespace of `deploy/kubernetes/namespace.yaml` (default `openab-sessions`) |
 //! | `OPENAB_KUBERNETES_VERSION` | the version the cluster must report (optional) |
 //! | `OPENAB_KWOK_NODES` | how many kwok fake nodes it has (optional; default 0) |
+//! | `OPENAB_CLUSTER_KIND` | set by `scripts/kind-e2e.sh`: a kind cluster, whose images that script loads and whose Pods reach the API server through the `kubernetes` Service (optional) |
 //!
 //! Nothing here falls back to `~/.kube/config` or in-cluster credentials: a test reaches only the
 //! cluster it was pointed at. Cluster tests are marked
