@@ -5,7 +5,8 @@
 //! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
 //!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
 //!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
-//!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it.
+//!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it; and a
+//!    resume (attach after suspend) of the same session, whose worker needs no init container.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //!
@@ -193,6 +194,7 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
     let mut shaped = Vec::new();
     let mut attached = Vec::new();
     let mut attach = Vec::new();
+    let mut resume = Vec::new();
     // Interleaved, so a machine that slows down mid-run slows all alike.
     for sample in 0..SAMPLES {
         let pod = restricted_pod(
@@ -229,12 +231,25 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
         client.initialize().await.expect("the first ACP reply");
         attach.push(started.elapsed());
         drop(client);
+        runtime
+            .suspend(&id, session_runtime::SuspendReason::Idle)
+            .await
+            .expect("suspend");
+        let started = Instant::now();
+        let client = AcpClient::new(runtime.attach(&id).await.expect("resume"));
+        client
+            .initialize()
+            .await
+            .expect("the first ACP reply after resume");
+        resume.push(started.elapsed());
+        drop(client);
         runtime.close(&id, CloseReason::Reset).await.expect("close");
     }
     let (bare_min, bare_median, bare_max) = median(bare);
     let (shaped_min, shaped_median, shaped_max) = median(shaped);
     let (attached_min, attached_median, attached_max) = median(attached);
     let (attach_min, attach_median, attach_max) = median(attach);
+    let (resume_min, resume_median, resume_max) = median(resume);
     println!("attach of a new session to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
     println!(
         "  bare Pod              min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}"
@@ -242,12 +257,14 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
     println!("  bare Pod, init + main min {shaped_min:>9.1?}  median {shaped_median:>9.1?}  max {shaped_max:>9.1?}");
     println!("  attach returned       min {attached_min:>9.1?}  median {attached_median:>9.1?}  max {attached_max:>9.1?}");
     println!("  first ACP reply       min {attach_min:>9.1?}  median {attach_median:>9.1?}  max {attach_max:>9.1?}");
+    println!("  resume to ACP reply   min {resume_min:>9.1?}  median {resume_median:>9.1?}  max {resume_max:>9.1?}  (suspended, then attached again: no init container)");
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
     println!(
         "  ratio of medians: {:.2}x the bare Pod; {:.2}x the bare Pod of the worker's shape",
         ratio(attach_median, bare_median),
         ratio(attach_median, shaped_median)
     );
+    println!("  resume: {:.2}x the bare Pod", ratio(resume_median, bare_median));
 }
 
 /// This process's CPU time (user and system), from /proc.

@@ -44,6 +44,11 @@ pub(crate) struct WorkerSpec<'a> {
     pub(crate) anchor_uid: &'a str,
     /// The claim to mount, or `None` for a volume that lives with the Pod.
     pub(crate) claim: Option<&'a str>,
+    /// Whether the session's directories must be made first (the `prepare` init container).
+    /// An init container costs the Pod most of a second to Ready (the kubelet notices its exit at
+    /// its next relist), so a claim whose directories an earlier worker or the seed Job made goes
+    /// without one.
+    pub(crate) prepare: bool,
 }
 
 pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod {
@@ -225,7 +230,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     Pod {
         metadata,
         spec: Some(PodSpec {
-            init_containers: Some(vec![prepare]),
+            init_containers: spec.prepare.then(|| vec![prepare]),
             containers: vec![container],
             volumes: Some(volumes),
             restart_policy: Some("Never".to_owned()),
@@ -355,6 +360,7 @@ mod tests {
             token_hash: &hash,
             anchor_uid: "uid",
             claim: Some("claim"),
+            prepare: true,
         };
         (id, worker_pod(&profile, &spec))
     }
@@ -390,6 +396,33 @@ mod tests {
         );
         let (_, own) = pod_for("");
         assert_eq!(sub_paths(&own), ["workspace", "home"]);
+    }
+
+    #[test]
+    fn a_prepared_claim_starts_without_the_init_container_and_mounts_alike() {
+        let (id, first) = pod_for("");
+        let profile =
+            WorkerProfile::from_toml("p", "1", "image = \"w:1\"\nagent = [\"/agent\"]\n").expect("a profile");
+        let hash = BrokerKey::new(vec![7; 32]).token(id.as_str(), 4).hash();
+        let later = worker_pod(
+            &profile,
+            &WorkerSpec {
+                id: &id,
+                installation: "i",
+                generation: 4,
+                token_hash: &hash,
+                anchor_uid: "uid",
+                claim: Some("claim"),
+                prepare: false,
+            },
+        );
+        let init = |pod: &Pod| pod.spec.as_ref().and_then(|spec| spec.init_containers.clone());
+        assert!(init(&first).is_some_and(|containers| containers.len() == 1));
+        assert!(
+            init(&later).is_none(),
+            "no init container once the directories exist"
+        );
+        assert_eq!(sub_paths(&later), sub_paths(&first), "the same directories");
     }
 
     #[test]

@@ -165,6 +165,11 @@ pub(crate) struct SessionRecord {
     /// A copy of the storage being taken ([`SeedRecord::CopyOf`] of another session).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) lent_to: Option<Loan>,
+    /// Whether the session's directories exist on its claim, with the worker's ownership: made
+    /// by the seed Job or by a worker whose relay answered. Later workers then start without the
+    /// `prepare` init container. Always `false` for ephemeral storage, which each Pod makes anew.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) prepared: bool,
 }
 
 pub(crate) fn now() -> u64 {
@@ -204,6 +209,7 @@ impl SessionRecord {
             last_reconcile: None,
             seed: None,
             lent_to: None,
+            prepared: false,
         }
     }
 

@@ -565,6 +565,8 @@ impl KubernetesRuntime {
         if record.seed.is_some() || profile.home_template.is_some() {
             self.seed(id, &lease, &record, &profile).await?;
             record.seed = None;
+            // The Job made both directories, as the worker's user.
+            record.prepared = record.volume.claim().is_some();
         }
         record.phase = Phase::Session(SessionState::Created);
         match self.swap(&lease, &record).await {
@@ -712,6 +714,7 @@ impl KubernetesRuntime {
                 token_hash: &token_hash,
                 anchor_uid: &anchor_uid,
                 claim: record.volume.claim(),
+                prepare: !(record.prepared && record.volume.claim().is_some()),
             },
         );
         self.apply_egress(profile).await?;
@@ -897,7 +900,30 @@ impl KubernetesRuntime {
                 operation: "attach",
             });
         }
-        self.open(id, &pod, generation, &profile).await
+        let attachment = self.open(id, &pod, generation, &profile).await?;
+        if !latest.prepared && latest.volume.claim().is_some() {
+            self.record_prepared(id, generation).await;
+        }
+        Ok(attachment)
+    }
+
+    /// Records that the claim's directories exist: the relay of `generation` answered, so its
+    /// `prepare` step ran. One write in a volume's life; a failure only costs the next worker
+    /// its init container again.
+    async fn record_prepared(&self, id: &SessionId, generation: Generation) {
+        let recorded = self
+            .update(id, |record| {
+                if record.prepared || record.generation != generation {
+                    return Ok(None);
+                }
+                let mut next = record.clone();
+                next.prepared = true;
+                Ok(Some(next))
+            })
+            .await;
+        if let Err(error) = recorded {
+            tracing::debug!(session = %id, "recording the prepared volume failed: {error}");
+        }
     }
 
     /// Takes over the running worker of the current generation from the broker that attached
