@@ -226,7 +226,8 @@ node_down() {
   for netns in /var/run/netns/cni-*; do
     [ -e "$netns" ] || continue
     # A CNI namespace that holds an interface of our bridge's subnet is ours.
-    ip netns exec "${netns##*/}" ip -4 addr 2>/dev/null | grep -q "inet ${pod_subnet%.*}\." &&
+    # (Output read whole: under pipefail, grep -q leaving early could SIGPIPE the writer.)
+    grep -q "inet ${pod_subnet%.*}\." <<<"$(ip netns exec "${netns##*/}" ip -4 addr 2>/dev/null)" &&
       ip netns delete "${netns##*/}" 2>/dev/null || true
   done
   rm -f /var/lib/cni/results/"$cni_network"-* 2>/dev/null || true
@@ -287,10 +288,12 @@ node_leftovers() {
   [ -n "$(node_rules iptables)$(node_rules ip6tables)" ] && found+=" firewall rules ($rule_comment);"
   local table
   for table in filter nat mangle; do
-    iptables -t "$table" -S 2>/dev/null | grep -q KUBE- && found+=" kubelet chains in iptables $table;"
-    ip6tables -t "$table" -S 2>/dev/null | grep -q KUBE- && found+=" kubelet chains in ip6tables $table;"
+    # Each output read whole: under pipefail, grep -q leaving early could SIGPIPE the writer
+    # and hide what it found.
+    grep -q KUBE- <<<"$(iptables -t "$table" -S 2>/dev/null)" && found+=" kubelet chains in iptables $table;"
+    grep -q KUBE- <<<"$(ip6tables -t "$table" -S 2>/dev/null)" && found+=" kubelet chains in ip6tables $table;"
   done
-  findmnt -rn -o TARGET | grep -qF -- "$node_dir" && found+=" mounts under $node_dir;"
+  grep -qF -- "$node_dir" <<<"$(findmnt -rn -o TARGET)" && found+=" mounts under $node_dir;"
   local dir
   for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
     [ -d "$dir" ] && found+=" cgroup $dir;"
