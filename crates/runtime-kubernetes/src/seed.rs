@@ -326,21 +326,19 @@ fn pod_failure(pod: &Pod) -> Option<String> {
 const POLL: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl KubernetesRuntime {
-    /// Seeds the session's volume (the profile's HOME template, the recorded clone) with a Job,
-    /// and waits for it. A Job an earlier, interrupted attempt left is adopted while it runs and
-    /// replaced if it failed.
+    /// Seeds the session's volume (the recorded copy or clone, the profile's HOME template) with
+    /// a Job, and waits for it. A Job an earlier, interrupted attempt left is adopted while it
+    /// runs and replaced if it failed. A copy's source is lent for the Job's run and given back
+    /// after it, whatever the outcome.
     ///
     /// # Errors
     /// [`Error::Backend`]: not retryable when the seed failed (the Pod's words: git's message, a
     /// missing image or template), retryable when it did not end within the start timeout or
-    /// the API failed.
+    /// the API failed. For a copy, also the errors of [`Self::lend`].
     ///
-    /// A copy's source is lent for the Job's run and given back after it, whatever the outcome;
-    /// if this call is cancelled meanwhile, the loan lapses by itself after the start timeout and
-    /// a minute.
-    ///
-    /// # Errors
-    /// For a copy, also the errors of [`Self::lend`].
+    /// # Cancellation
+    /// A Job already created runs on and is adopted by the next attempt; a loan lapses by itself
+    /// after the start timeout and a minute.
     pub(crate) async fn seed(
         &self,
         id: &SessionId,
