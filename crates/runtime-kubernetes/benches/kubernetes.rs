@@ -36,6 +36,8 @@ termination_grace = "1s"
 [storage]
 kind = "ephemeral"
 "#;
+const EPHEMERAL: &str = "kind = \"ephemeral\"";
+const PER_SESSION: &str = "kind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"";
 
 const SAMPLES: usize = 20;
 
@@ -67,18 +69,36 @@ async fn run() {
     maps.create(&PostParams::default(), &profile)
         .await
         .expect("the profile");
+    // The attach figures on a volume of each session's own, as sessions that resume have.
+    let with_volume = format!("{installation}-volume");
+    let volume_profile = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(with_volume.clone()),
+            ..ObjectMeta::default()
+        },
+        data: Some([(PROFILE_KEY.to_owned(), WORKER.replace(EPHEMERAL, PER_SESSION))].into()),
+        ..ConfigMap::default()
+    };
+    maps.create(&PostParams::default(), &volume_profile)
+        .await
+        .expect("the profile with a volume");
     let faults = Faults::new();
-    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), &installation);
-    config.reach = Reach::PodIp;
-    let runtime = KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
-        .installation(&installation)
-        .build()
-        .expect("runtime");
+    let build = |profile: &str| {
+        let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile);
+        config.reach = Reach::PodIp;
+        KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
+            .installation(&installation)
+            .build()
+            .expect("runtime")
+    };
+    let runtime = build(&installation);
 
     requests_per_lifecycle(&runtime, &faults, &installation).await;
-    attach_against_a_bare_pod(&cluster, &runtime, &installation).await;
+    attach_against_a_bare_pod(&cluster, &build(&with_volume), &installation).await;
     reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
-    let _ = maps.delete(&installation, &DeleteParams::default()).await;
+    for name in [&installation, &with_volume] {
+        let _ = maps.delete(name, &DeleteParams::default()).await;
+    }
 }
 
 fn kinds(requests: &[(test_cluster::faults::Method, String)]) -> BTreeMap<String, usize> {
@@ -250,7 +270,7 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
     let (attached_min, attached_median, attached_max) = median(attached);
     let (attach_min, attach_median, attach_max) = median(attach);
     let (resume_min, resume_median, resume_max) = median(resume);
-    println!("attach of a new session to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
+    println!("attach of a new session (a volume of its own) to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
     println!(
         "  bare Pod              min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}"
     );
