@@ -3,62 +3,19 @@
 //! so these tests run on unix only.
 #![cfg(unix)]
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use runtime_shared::{AgentStderr, SharedRuntimeBuilder};
 use session_runtime::config::SessionRuntimeConfig;
+use session_runtime::testing::CapturedLogs;
 use session_runtime::{AgentCommand, CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
 use tokio::io::{AsyncBufReadExt, BufReader};
-
-/// Every event of this test binary, formatted without time or colour (one global subscriber:
-/// the runtime logs from the tasks it spawns, on any worker thread).
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log lock").extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn log() -> &'static Captured {
-    static LOG: OnceLock<Captured> = OnceLock::new();
-    LOG.get_or_init(|| {
-        let log = Captured::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer({
-                let log = log.clone();
-                move || log.clone()
-            })
-            .with_ansi(false)
-            .without_time()
-            .with_max_level(tracing::Level::TRACE)
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this test binary");
-        log
-    })
-}
-
-/// The captured lines that mention `marker`.
-fn lines_with(marker: &str) -> Vec<String> {
-    let text = String::from_utf8_lossy(&log().0.lock().expect("log lock")).into_owned();
-    text.lines()
-        .filter(|l| l.contains(marker))
-        .map(str::to_owned)
-        .collect()
-}
 
 /// Runs an agent that writes `marker` to stderr, then says on stdout whether its stderr is
 /// `/dev/null`, under a runtime built from `section` (a `[session_runtime]` body); returns that
 /// answer.
 async fn run(section: &str, marker: &str) -> bool {
-    log();
+    CapturedLogs::global();
     let dir = tempfile::tempdir().expect("dir");
     let config = SessionRuntimeConfig::from_toml_section(section).expect("config");
     let agent = AgentCommand::new("/bin/sh")
@@ -96,7 +53,7 @@ async fn run(section: &str, marker: &str) -> bool {
     if !is_null {
         // The line was written before the answer; the logging task may still be reading it.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while lines_with(marker).is_empty() && Instant::now() < deadline {
+        while CapturedLogs::global().lines_with(marker).is_empty() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -108,10 +65,10 @@ async fn run(section: &str, marker: &str) -> bool {
 async fn by_default_the_agents_stderr_is_dev_null_as_upstream() {
     let marker = "stderr-marker-default";
     assert!(run("", marker).await, "unset: /dev/null");
-    assert_eq!(lines_with(marker), Vec::<String>::new());
+    assert_eq!(CapturedLogs::global().lines_with(marker), Vec::<String>::new());
     let marker = "stderr-marker-discard";
     assert!(run("[local]\nagent_stderr = \"discard\"", marker).await);
-    assert_eq!(lines_with(marker), Vec::<String>::new());
+    assert_eq!(CapturedLogs::global().lines_with(marker), Vec::<String>::new());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,7 +83,7 @@ async fn each_stderr_line_is_logged_at_the_configured_level() {
             !run(&format!("[local]\nagent_stderr = \"{value}\""), &marker).await,
             "{value}: piped, not /dev/null"
         );
-        let lines = lines_with(&marker);
+        let lines = CapturedLogs::global().lines_with(&marker);
         assert_eq!(lines.len(), 1, "{value}: {lines:?}");
         let line = &lines[0];
         assert!(

@@ -1,13 +1,16 @@
 //! Test support: [`FakeRuntime`], an in-memory runtime that passes the conformance suite, and
-//! [`AcpClient`], a small ACP client that drives an agent over an attachment.
+//! [`AcpClient`], a small ACP client that drives an agent over an attachment, and
+//! [`CapturedLogs`], what a runtime logs.
 
 mod acp_client;
 mod fake;
+mod logs;
 
 pub use acp_client::{
     AcpClient, ClientError, ExecOutput, PermissionAnswer, PromptOutcome, DEFAULT_REQUEST_TIMEOUT, EXEC_METHOD,
 };
 pub use fake::{FakeRuntime, FakeRuntimeBuilder, LaunchRequest, WorkerLauncher};
+pub use logs::CapturedLogs;
 
 /// The path of the `acp-test-agent` binary of this workspace, building it first if needed.
 ///
