@@ -214,8 +214,9 @@ impl KubernetesRuntimeBuilder {
     }
 
     /// How long an attachment keeps reconnecting to its worker's relay after the connection
-    /// broke before it ends with an error (default 30 s): a worker whose Pod was deleted or whose
-    /// node vanished is reported to the attachment this late, and the next `attach` replaces it.
+    /// broke before it ends with an error (default 30 s). A worker whose Pod was deleted or failed
+    /// ends its attachment at once (the broker watches its worker Pods); one whose node merely
+    /// stopped answering, this late. Either way the next `attach` replaces it.
     pub fn relay_reconnect_budget(mut self, budget: Duration) -> Self {
         self.housekeeping.reconnect_budget = Some(budget);
         self
