@@ -426,6 +426,9 @@ impl AgentInput {
     /// - [`Error::Fenced`] after a newer attachment took over.
     /// - [`Error::Disconnected`] if the agent's stdin is closed (the worker ended, or
     ///   [`close`](Self::close) was called).
+    /// - The transport's own error when its write failed with one that says why (for example
+    ///   [`Error::WorkerFailed`] for a worker its runtime saw go); later writes are
+    ///   [`Error::Disconnected`].
     ///
     /// # Cancellation
     /// Once this write holds the sink, the line is written whole even if this future is dropped.
@@ -502,13 +505,19 @@ async fn write_held(
     {
         state.fenced_by_transport = Some((*generation, *current));
     }
-    Err(match (fence.check(), state.fenced_by_transport) {
-        (Err(fenced), _) => fenced,
-        (Ok(()), Some((generation, current))) => Error::Fenced {
+    // The transport's reason, when it gave one, is the caller's to see (once: the sink is gone).
+    let cause = failure
+        .and_then(std::io::Error::into_inner)
+        .and_then(|inner| inner.downcast::<Error>().ok())
+        .map(|error| *error);
+    Err(match (fence.check(), state.fenced_by_transport, cause) {
+        (Err(fenced), _, _) => fenced,
+        (Ok(()), Some((generation, current)), _) => Error::Fenced {
             id: fence.id,
             generation,
             current,
         },
-        (Ok(()), None) => Error::Disconnected { id: fence.id },
+        (Ok(()), None, Some(cause)) => cause,
+        (Ok(()), None, None) => Error::Disconnected { id: fence.id },
     })
 }

@@ -143,3 +143,52 @@ async fn closing_ends_the_stdin_and_later_writes_are_disconnected() {
         other => panic!("an embedded newline must be refused, got {other:?}"),
     }
 }
+
+/// A stdin whose every write fails the way a transport does when it knows why: with the
+/// contract's error inside the `io::Error`.
+struct FailingStdin;
+
+impl tokio::io::AsyncWrite for FailingStdin {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        _buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let cause = Error::WorkerFailed {
+            id: id(),
+            cause: session_runtime::WorkerFailure::Evicted("its Pod was deleted".into()),
+        };
+        std::task::Poll::Ready(Err(cause.into_io()))
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+#[tokio::test]
+async fn a_write_the_transport_fails_with_a_reason_gives_that_reason_once() {
+    let (fence, _trigger) = Fence::new(id(), 1);
+    let (_agent_stdout, stdout) = tokio::io::duplex(64);
+    let parts = AttachmentParts::new(fence, "/workspace", stdout, FailingStdin, Arc::new(Idle));
+    let attachment = Attachment::new(parts);
+    match attachment.input().write_line("hello").await {
+        Err(Error::WorkerFailed {
+            cause: session_runtime::WorkerFailure::Evicted(why),
+            ..
+        }) => assert_eq!(why, "its Pod was deleted"),
+        other => panic!("the transport's reason, got {other:?}"),
+    }
+    match attachment.input().write_line("again").await {
+        Err(Error::Disconnected { .. }) => {}
+        other => panic!("the stdin is gone after a failed write, got {other:?}"),
+    }
+}
