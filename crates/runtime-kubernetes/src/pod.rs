@@ -45,9 +45,9 @@ pub(crate) struct WorkerSpec<'a> {
     /// The claim to mount, or `None` for a volume that lives with the Pod.
     pub(crate) claim: Option<&'a str>,
     /// Whether the session's directories must be made first (the `prepare` init container).
-    /// An init container costs the Pod most of a second to Ready (the kubelet notices its exit at
-    /// its next relist), so a claim whose directories an earlier worker or the seed Job made goes
-    /// without one.
+    /// An init container cost the test node's Pods about 600 ms more to Ready (most likely the
+    /// kubelet noticing its exit only at its next relist), so a claim whose directories an earlier
+    /// worker or the seed Job made goes without one.
     pub(crate) prepare: bool,
 }
 
