@@ -52,6 +52,18 @@ struct Listener {
 }
 
 impl Watched {
+    /// Registers a listener for `pod` (by UID), as of the current list round.
+    fn listen(&mut self, pod: &Pod) -> oneshot::Receiver<WorkerFailure> {
+        let (tell, told) = oneshot::channel();
+        let listener = Listener {
+            pod: pod.name_any(),
+            round: self.round,
+            tell,
+        };
+        self.listeners.insert(pod.uid().unwrap_or_default(), listener);
+        told
+    }
+
     fn tell(&mut self, uid: &str, cause: impl FnOnce(&str) -> WorkerFailure) {
         if let Some(listener) = self.listeners.remove(uid) {
             let _ = listener.tell.send(cause(&listener.pod));
@@ -116,19 +128,7 @@ impl WorkerWatch {
     /// watch cannot say. Dropping it stops listening.
     pub(crate) fn lost(&self, pod: &Pod) -> impl Future<Output = WorkerFailure> + Send + 'static {
         self.start();
-        let (tell, told) = oneshot::channel();
-        {
-            let mut state = self.state.lock();
-            let round = state.round;
-            state.listeners.insert(
-                pod.uid().unwrap_or_default(),
-                Listener {
-                    pod: pod.name_any(),
-                    round,
-                    tell,
-                },
-            );
-        }
+        let told = self.state.lock().listen(pod);
         async move {
             match told.await {
                 Ok(cause) => cause,
@@ -184,24 +184,10 @@ mod tests {
         }
     }
 
-    fn listen(state: &mut Watched, pod: &Pod) -> oneshot::Receiver<WorkerFailure> {
-        let (tell, told) = oneshot::channel();
-        let round = state.round;
-        state.listeners.insert(
-            pod.uid().unwrap_or_default(),
-            Listener {
-                pod: pod.name_any(),
-                round,
-                tell,
-            },
-        );
-        told
-    }
-
     #[test]
     fn a_deleted_pod_is_told_by_uid_and_a_namesake_is_not_it() {
         let mut state = Watched::default();
-        let mut told = listen(&mut state, &pod("oab-w-a", "uid-1"));
+        let mut told = state.listen(&pod("oab-w-a", "uid-1"));
         state.apply(Event::Delete(pod("oab-w-a", "uid-0")));
         assert!(
             told.try_recv().is_err(),
@@ -220,10 +206,10 @@ mod tests {
     #[test]
     fn a_relist_that_misses_a_pod_tells_only_listeners_that_came_before_it() {
         let mut state = Watched::default();
-        let mut before = listen(&mut state, &pod("oab-w-a", "uid-a"));
+        let mut before = state.listen(&pod("oab-w-a", "uid-a"));
         state.apply(Event::Init);
         // Subscribed while the list runs: the list may predate its Pod.
-        let mut during = listen(&mut state, &pod("oab-w-b", "uid-b"));
+        let mut during = state.listen(&pod("oab-w-b", "uid-b"));
         state.apply(Event::InitApply(pod("oab-w-c", "uid-c")));
         state.apply(Event::InitDone);
         assert!(
@@ -231,7 +217,7 @@ mod tests {
             "gone while unwatched"
         );
         assert!(during.try_recv().is_err(), "not judged by a list older than it");
-        let mut kept = listen(&mut state, &pod("oab-w-c", "uid-c"));
+        let mut kept = state.listen(&pod("oab-w-c", "uid-c"));
         state.apply(Event::Init);
         state.apply(Event::InitApply(pod("oab-w-c", "uid-c")));
         state.apply(Event::InitDone);
@@ -244,8 +230,8 @@ mod tests {
             ContainerState, ContainerStateTerminated, ContainerStatus, PodStatus,
         };
         let mut state = Watched::default();
-        let mut told = listen(&mut state, &pod("oab-w-a", "uid-a"));
-        let gone = listen(&mut state, &pod("oab-w-b", "uid-b"));
+        let mut told = state.listen(&pod("oab-w-a", "uid-a"));
+        let gone = state.listen(&pod("oab-w-b", "uid-b"));
         drop(gone);
         let mut failed = pod("oab-w-a", "uid-a");
         failed.status = Some(PodStatus {

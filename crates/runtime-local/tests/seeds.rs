@@ -102,6 +102,17 @@ fn repository(dir: &Path) -> PathBuf {
     repo
 }
 
+/// Checks the probe's `owner A B me U` line: both files belong to the session's user `U`.
+fn assert_owned_by_session_user(out: &str, why: &str, context: &str) {
+    let owner = out
+        .lines()
+        .find_map(|line| line.strip_prefix("owner "))
+        .unwrap_or_else(|| panic!("no owner line: {context}"));
+    let ids: Vec<&str> = owner.split_whitespace().collect();
+    assert_eq!(ids.len(), 4, "{context}");
+    assert_eq!((ids[0], ids[1]), (ids[3], ids[3]), "{why}: {context}");
+}
+
 fn build(mode: SandboxMode, root: &Path, template: &Path) -> Option<Arc<LocalRuntime>> {
     common::build_if_supported(
         common::builder(root, INSTALLATION, mode).home_template(template),
@@ -155,17 +166,7 @@ async fn the_home_template_and_a_git_clone_seed_the_session_and_stay_untouched()
         let context = format!("{mode}:\n{out}\n{}", probe.stderr);
         assert!(out.contains(CREDENTIALS.trim()), "credentials copied: {context}");
         assert!(out.contains("mode 600"), "permission bits kept: {context}");
-        let owner = out
-            .lines()
-            .find_map(|line| line.strip_prefix("owner "))
-            .unwrap_or_else(|| panic!("no owner line: {context}"));
-        let ids: Vec<&str> = owner.split_whitespace().collect();
-        assert_eq!(ids.len(), 4, "{context}");
-        assert_eq!(
-            (ids[0], ids[1]),
-            (ids[3], ids[3]),
-            "seeded files belong to the session's user: {context}"
-        );
+        assert_owned_by_session_user(out, "seeded files belong to the session's user", &context);
         assert!(
             out.contains("link /etc/hostname"),
             "a link stays a link: {context}"
@@ -340,17 +341,7 @@ async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refu
         ] {
             assert!(out.contains(expected), "{expected:?} in the fork: {context}");
         }
-        let owner = out
-            .lines()
-            .find_map(|line| line.strip_prefix("owner "))
-            .unwrap_or_else(|| panic!("no owner line: {context}"));
-        let ids: Vec<&str> = owner.split_whitespace().collect();
-        assert_eq!(ids.len(), 4, "{context}");
-        assert_eq!(
-            (ids[0], ids[1]),
-            (ids[3], ids[3]),
-            "the copy belongs to the fork's user: {context}"
-        );
+        assert_owned_by_session_user(out, "the copy belongs to the fork's user", &context);
         drop(client);
 
         let client = AcpClient::new(runtime.attach(&source.id()).await.expect("attach source again"));
