@@ -213,6 +213,9 @@ fn local_runtime(agent: &Path, root: &Path, sandbox: SandboxMode) -> session_run
 }
 
 /// Benchmarks `cycle` as `name` in `group`, recording the duration of every cycle in `calls`.
+///
+/// The cycles run in a task of the runtime, as a broker's sessions do, not in the thread that
+/// blocks on the runtime.
 fn bench_cycles<F, Fut>(
     group: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>,
     tokio: &Runtime,
@@ -220,19 +223,25 @@ fn bench_cycles<F, Fut>(
     calls: &Calls,
     cycle: F,
 ) where
-    F: Fn(u64) -> Fut + Copy,
-    Fut: std::future::Future<Output = Cycle>,
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Cycle> + Send + 'static,
 {
     let counter = AtomicU64::new(0);
     group.bench_function(name, |b| {
         b.to_async(tokio).iter_custom(|iters| {
             let calls = Arc::clone(calls);
             let first = counter.fetch_add(iters, Ordering::Relaxed);
+            let cycle = cycle.clone();
             async move {
-                let mut cycles = Vec::new();
-                for n in first..first + iters {
-                    cycles.push(cycle(n).await);
-                }
+                let cycles = tokio::spawn(async move {
+                    let mut cycles = Vec::new();
+                    for n in first..first + iters {
+                        cycles.push(cycle(n).await);
+                    }
+                    cycles
+                })
+                .await
+                .expect("the cycles' task");
                 let total = cycles.iter().flatten().sum();
                 calls.lock().expect("samples").push(cycles);
                 total
@@ -320,30 +329,49 @@ fn main() {
     for dir in [&workspace, &state] {
         std::fs::create_dir_all(dir).expect("scratch directories");
     }
-    let plain =
-        local_runtime(&agent, &scratch.path().join("plain"), SandboxMode::None).expect("plain runtime");
+    let plain = Arc::new(
+        local_runtime(&agent, &scratch.path().join("plain"), SandboxMode::None).expect("plain runtime"),
+    );
     let bubblewrap = local_runtime(
         &agent,
         &scratch.path().join("bubblewrap"),
         SandboxMode::Bubblewrap,
-    );
+    )
+    .map(Arc::new);
+    let direct = {
+        let paths = Arc::new((agent, workspace, state));
+        move |_: u64| {
+            let paths = Arc::clone(&paths);
+            async move { direct_cycle(&paths.0, &paths.1, &paths.2).await }
+        }
+    };
+    let with_runtime = |runtime: &Arc<LocalRuntime>| {
+        let runtime = Arc::clone(runtime);
+        move |n: u64| {
+            let runtime = Arc::clone(&runtime);
+            async move { runtime_cycle(&runtime, n).await }
+        }
+    };
     if let Some(request) = std::env::var_os(CYCLES_ENV) {
         let request = request.to_string_lossy().into_owned();
         let (mode, count) = request.split_once(':').expect("OAB_BENCH_CYCLES=<mode>:<count>");
         let count: u64 = count.parse().expect("a cycle count");
-        tokio.block_on(async {
+        let mode = mode.to_owned();
+        // In a task, as the measured cycles run.
+        let cycles = async move {
             for n in 0..count {
-                let _cycle = match mode {
-                    "direct" => direct_cycle(&agent, &workspace, &state).await,
-                    "plain" => runtime_cycle(&plain, n).await,
+                let _cycle = match mode.as_str() {
+                    "direct" => direct(n).await,
+                    "plain" => with_runtime(&plain)(n).await,
                     "bubblewrap" => {
                         let bubblewrap = bubblewrap.as_ref().expect("bubblewrap works here");
-                        runtime_cycle(bubblewrap, n).await
+                        with_runtime(bubblewrap)(n).await
                     }
                     other => panic!("unknown mode {other}"),
                 };
             }
-        });
+        };
+        tokio.block_on(tokio.spawn(cycles)).expect("the cycles' task");
         return;
     }
     let (direct_calls, plain_calls, bubblewrap_calls) =
@@ -357,16 +385,16 @@ fn main() {
             .sample_size(SAMPLES)
             .warm_up_time(Duration::from_secs(2))
             .measurement_time(Duration::from_secs(10));
-        bench_cycles(&mut group, &tokio, "direct", &direct_calls, |_| {
-            direct_cycle(&agent, &workspace, &state)
-        });
-        bench_cycles(&mut group, &tokio, "plain", &plain_calls, |n| {
-            runtime_cycle(&plain, n)
-        });
+        bench_cycles(&mut group, &tokio, "direct", &direct_calls, direct);
+        bench_cycles(&mut group, &tokio, "plain", &plain_calls, with_runtime(&plain));
         match &bubblewrap {
-            Ok(bubblewrap) => bench_cycles(&mut group, &tokio, "bubblewrap", &bubblewrap_calls, |n| {
-                runtime_cycle(bubblewrap, n)
-            }),
+            Ok(bubblewrap) => bench_cycles(
+                &mut group,
+                &tokio,
+                "bubblewrap",
+                &bubblewrap_calls,
+                with_runtime(bubblewrap),
+            ),
             Err(error) => println!("bubblewrap: not measured, it does not work here: {error}"),
         }
         group.finish();

@@ -21,7 +21,7 @@ use crate::egress::EgressProxy;
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
-use crate::sandbox::{needs, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
+use crate::sandbox::{needs, CgroupEntry, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
@@ -365,10 +365,12 @@ impl LocalRuntime {
                 return Err(error);
             }
         };
-        let joins_at_exec = limits.is_some() && self.sandbox.joins_cgroups_at_exec(record.uid);
+        let entry = limits
+            .as_ref()
+            .map(|limits| self.sandbox.cgroup_entry(limits, record.uid));
         let procs = limits
             .as_ref()
-            .filter(|_| joins_at_exec)
+            .filter(|_| entry == Some(CgroupEntry::AtExec))
             .map(LimitsHandle::procs_files);
         // The proxy listens before the worker starts, so the agent's first connection finds it.
         let egress = match &self.settings.egress {
@@ -408,8 +410,8 @@ impl LocalRuntime {
                     generation,
                     self.settings.agent_stderr,
                     limits.clone(),
+                    entry == Some(CgroupEntry::Birth),
                 )
-                .map_err(|cause| Error::WorkerFailed { id, cause })
             }
             Err(error) => Err(error),
         };
@@ -424,10 +426,12 @@ impl LocalRuntime {
         if let Some(worker) = record.worker.as_mut() {
             worker.process = Some(spawned.worker.process);
         }
-        let joined = match (&limits, joins_at_exec) {
-            (Some(_), true) => wait_joined(&mut spawned.stdout, spawned.worker.as_ref()).await,
-            (Some(handle), false) => handle.adopt(spawned.worker.process.pid),
-            (None, _) => Ok(()),
+        let joined = match (&limits, entry) {
+            (Some(_), Some(CgroupEntry::AtExec)) => {
+                wait_joined(&mut spawned.stdout, spawned.worker.as_ref()).await
+            }
+            (Some(handle), Some(CgroupEntry::Adopt)) => handle.adopt(spawned.worker.process.pid),
+            _ => Ok(()),
         };
         if let Err(error) = joined {
             let _ = session_runtime::WorkerControl::kill(spawned.worker.as_ref()).await;

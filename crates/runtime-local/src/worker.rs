@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use rustix::process::Signal;
 use session_runtime::config::AgentStderr;
-use session_runtime::{ExitCell, Generation, Result, SessionId, WorkerControl, WorkerExit, WorkerFailure};
+use session_runtime::{
+    Error, ExitCell, Generation, Result, SessionId, WorkerControl, WorkerExit, WorkerFailure,
+};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader};
 use tokio::process::{ChildStdin, ChildStdout, Command};
 
@@ -49,14 +51,25 @@ pub(crate) struct Spawned {
 /// all: `/dev/null`) and the child reaped by a task.
 ///
 /// `cgroups` are the worker's: a worker killed by SIGKILL while they record an OOM kill ended
-/// [`WorkerExit::OutOfMemory`], not by a plain signal.
+/// [`WorkerExit::OutOfMemory`], not by a plain signal. With `born_in_cgroups` it is spawned
+/// inside them ([`LimitsHandle::spawn_inside`]).
+///
+/// # Errors
+///
+/// [`Error::WorkerFailed`] if it could not be spawned; the error of
+/// [`LimitsHandle::spawn_inside`] if the cgroups could not be entered.
 pub(crate) fn spawn(
     mut command: Command,
     id: SessionId,
     generation: Generation,
     stderr: AgentStderr,
     cgroups: Option<LimitsHandle>,
-) -> std::result::Result<Spawned, WorkerFailure> {
+    born_in_cgroups: bool,
+) -> Result<Spawned, Error> {
+    let failed = |why: String| Error::WorkerFailed {
+        id,
+        cause: WorkerFailure::Spawn(why),
+    };
     let level = stderr.level();
     command
         .stdin(Stdio::piped())
@@ -70,23 +83,23 @@ pub(crate) fn spawn(
     // The runtime, not the drop of a handle, decides when a worker ends.
     command.kill_on_drop(false);
     keep_inherited_descriptors_from_workers();
-    let mut child = command.spawn().map_err(|e| WorkerFailure::Spawn(e.to_string()))?;
+    let spawned = match cgroups.as_ref().filter(|_| born_in_cgroups) {
+        Some(cgroups) => cgroups.spawn_inside(&mut command)?,
+        None => command.spawn(),
+    };
+    let mut child = spawned.map_err(|e| failed(e.to_string()))?;
     let pid = child
         .id()
-        .ok_or_else(|| WorkerFailure::Spawn("the agent exited at once".into()))?;
+        .ok_or_else(|| failed("the agent exited at once".into()))?;
     let process = ProcessRef::of(pid).unwrap_or(ProcessRef { pid, start_time: 0 });
     let (Some(stdout), Some(stdin)) = (child.stdout.take(), child.stdin.take()) else {
-        return Err(WorkerFailure::Spawn("the agent's pipes were not created".into()));
+        return Err(failed("the agent's pipes were not created".into()));
     };
     match (level, child.stderr.take()) {
         (Some(level), Some(stderr)) => {
             tokio::spawn(log_stderr(stderr, id, generation, level));
         }
-        (Some(_), None) => {
-            return Err(WorkerFailure::Spawn(
-                "the agent's stderr pipe was not created".into(),
-            ))
-        }
+        (Some(_), None) => return Err(failed("the agent's stderr pipe was not created".into())),
         (None, _) => {}
     }
     let exit = ExitCell::new();

@@ -188,6 +188,62 @@ async fn the_agent_is_in_its_cgroups_from_its_first_instruction() {
     }
 }
 
+/// The thread that spawns a worker inside its cgroups is a member for the spawn only, and the
+/// room it takes in `pids.max` meanwhile is given back: under `pids = 1` the worker's shell is
+/// the one task of its cgroup and cannot fork; under `pids = 2` it can fork once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pids_limit_holds_exactly_for_the_worker_alone() {
+    use tokio::io::AsyncBufReadExt;
+    if !cgroups_usable() {
+        return;
+    }
+    // dash gives up on a failed fork, so "refused" may never be printed: no "forked" is the sign.
+    let script = "read go; /bin/true && echo forked || echo refused; read end";
+    for (pids, forks) in [(1, false), (2, true)] {
+        let root = tempfile::tempdir().expect("root");
+        let mut limits = session_runtime::config::ResourceLimits::default();
+        limits.pids = Some(pids);
+        let runtime = runtime_running(
+            root.path(),
+            SandboxMode::None,
+            "/bin/sh",
+            &["-c", script],
+            Some(limits),
+        )
+        .expect("plain mode always builds");
+        let id = created(&runtime, "pids-exact").await;
+        let attachment = runtime.attach(&id).await.expect("attach");
+        let resources = runtime
+            .status(&id)
+            .await
+            .expect("status")
+            .resources
+            .expect("a worker under limits reports them");
+        assert_eq!(
+            resources.pids,
+            Some(1),
+            "pids = {pids}: the worker's shell is the one task of its cgroup: {resources:?}"
+        );
+        let (output, input, _control) = attachment.into_split();
+        input.write_line("go").await.expect("write");
+        let mut line = String::new();
+        tokio::io::BufReader::new(output)
+            .read_line(&mut line)
+            .await
+            .expect("the agent's verdict");
+        assert_eq!(
+            line.trim() == "forked",
+            forks,
+            "pids = {pids}: the agent said {line:?}"
+        );
+        drop(input);
+        runtime
+            .close(&id, session_runtime::CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_an_agent_detaches_outlives_its_session() {
     use tokio::io::AsyncBufReadExt;

@@ -405,9 +405,12 @@ impl CgroupHost {
                         cgroup_error(limits, format!("enabling controllers in {}", parent.display()), e)
                     })?;
                 }
-                match std::fs::create_dir(&group.dir) {
-                    Ok(()) => created.push(&group.dir),
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                let fresh = match std::fs::create_dir(&group.dir) {
+                    Ok(()) => {
+                        created.push(&group.dir);
+                        true
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
                     Err(e) => {
                         return Err(cgroup_error(
                             limits,
@@ -415,8 +418,8 @@ impl CgroupHost {
                             e,
                         ))
                     }
-                }
-                write_limits(group, limits).map_err(|e| {
+                };
+                write_limits(group, limits, fresh).map_err(|e| {
                     cgroup_error(limits, format!("writing limits in {}", group.dir.display()), e)
                 })?;
             }
@@ -537,10 +540,15 @@ fn members(dir: &Path) -> io::Result<Vec<u32>> {
     }
 }
 
-/// Writes `limits` (or "no limit") for the group's controllers.
-fn write_limits(group: &Group, limits: &ResourceLimits) -> io::Result<()> {
+/// Writes `limits` (or "no limit") for the group's controllers. A `fresh` group (just created)
+/// already has no limit, so only configured limits are written to it: a session without limits
+/// costs no writes.
+fn write_limits(group: &Group, limits: &ResourceLimits, fresh: bool) -> io::Result<()> {
     let dir = &group.dir;
     for controller in &group.controllers {
+        if fresh && !controller.limited_by(limits) {
+            continue;
+        }
         match (controller, group.v2) {
             (Controller::Memory, true) => {
                 write(
@@ -635,6 +643,106 @@ fn process_tree(root: u32) -> io::Result<Vec<u32>> {
 }
 
 impl LimitsHandle {
+    /// Whether a worker spawned by the calling thread can be born inside the groups
+    /// ([`LimitsHandle::spawn_inside`]): every group is in a cgroup v1 hierarchy, which places
+    /// single threads, and the thread is not its process's leader.
+    ///
+    /// A thread that is not the leader is neither listed in a v1 `cgroup.procs` nor weighed by
+    /// the OOM killer of a v1 memory cgroup (both look at thread group leaders), and what it
+    /// allocates meanwhile is charged to its leader's cgroup. The broker's leader must never be
+    /// a member, even for a moment; and no other thread spawns for it, because the worker must
+    /// be the child of a thread that lives on: bubblewrap's `--die-with-parent` ends it when the
+    /// thread that created it exits.
+    pub(crate) fn can_be_born_in(&self) -> bool {
+        self.groups.iter().all(|group| !group.v2) && rustix::thread::gettid() != rustix::process::getpid()
+    }
+
+    /// Spawns `command` so that the worker is born in the groups (every one cgroup v1, see
+    /// [`LimitsHandle::can_be_born_in`]): the calling thread joins them, spawns the command (a
+    /// child starts in the cgroups of the thread that created it) and leaves them again. A limit
+    /// holds from the worker's first instruction, with neither a joining shell to execute first
+    /// nor a move of a running process. A thread joins by writing `0` (itself) to each `tasks`
+    /// file, which the kernel does without the global lock a move of a whole process takes.
+    ///
+    /// While the thread is a member it counts against `pids.max`, which is raised by one for that
+    /// moment, so the worker alone is never allowed more than its limit.
+    ///
+    /// # Errors
+    ///
+    /// The outer error if the groups could not be joined, left or their pids limit restored (a
+    /// worker already spawned is killed); the inner one if the spawn itself failed.
+    pub(crate) fn spawn_inside(
+        &self,
+        command: &mut tokio::process::Command,
+    ) -> Result<io::Result<tokio::process::Child>, Error> {
+        let fail = |what: &str, error: io::Error| cgroup_error(&self.limits, what.to_owned(), error);
+        let pids = self
+            .limits
+            .pids
+            .and_then(|limit| Some((self.pids_group()?, limit)));
+        if let Some((group, limit)) = pids {
+            write(&group.join("pids.max"), &(u64::from(limit) + 1).to_string())
+                .map_err(|e| fail("making room for the spawning thread in pids.max", e))?;
+        }
+        let (joined, spawned, left) = self.spawn_from_this_thread(command);
+        let restored = match pids {
+            Some((group, limit)) => write(&group.join("pids.max"), &limit.to_string()),
+            None => Ok(()),
+        };
+        let checks = joined
+            .map_err(|e| fail("joining the cgroups", e))
+            .and_then(|()| left.map_err(|e| fail("leaving the cgroups after the spawn", e)))
+            .and_then(|()| restored.map_err(|e| fail("restoring pids.max", e)));
+        match checks {
+            Ok(()) => Ok(spawned),
+            Err(error) => {
+                if let Ok(mut child) = spawned {
+                    let _ = child.start_kill();
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// [`LimitsHandle::spawn_inside`] on the calling thread: whether it joined the groups, the
+    /// spawn, and whether it left them. It leaves them even if the spawn panics (and the panic
+    /// then goes on).
+    fn spawn_from_this_thread(
+        &self,
+        command: &mut tokio::process::Command,
+    ) -> (io::Result<()>, io::Result<tokio::process::Child>, io::Result<()>) {
+        let joined = self.move_current_thread(|group| group.dir.clone());
+        let spawned = match &joined {
+            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| command.spawn())),
+            Err(_) => Ok(Err(io::Error::other("not spawned: the cgroups were not joined"))),
+        };
+        // Also after a partial join: a parent's `tasks` takes the thread back either way.
+        let left = self.move_current_thread(|group| {
+            group
+                .dir
+                .parent()
+                .map_or_else(|| group.dir.clone(), Path::to_path_buf)
+        });
+        let spawned = spawned.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (joined, spawned, left)
+    }
+
+    /// Moves the calling thread into the directory `target` gives for each group.
+    fn move_current_thread(&self, target: impl Fn(&Group) -> PathBuf) -> io::Result<()> {
+        for group in &self.groups {
+            write(&target(group).join("tasks"), "0")?;
+        }
+        Ok(())
+    }
+
+    /// The directory of the group holding the pids controller, if any.
+    fn pids_group(&self) -> Option<&Path> {
+        self.groups
+            .iter()
+            .find(|group| group.controllers.contains(&Controller::Pids))
+            .map(|group| group.dir.as_path())
+    }
+
     /// The `cgroup.procs` file of every group, for [`join_at_exec`].
     pub(crate) fn procs_files(&self) -> Vec<PathBuf> {
         self.groups.iter().map(|g| g.dir.join("cgroup.procs")).collect()
@@ -766,7 +874,13 @@ fn kill_members(dir: &Path) {
     if kill.exists() && write(&kill, "1").is_ok() {
         return;
     }
-    for pid in members(dir).unwrap_or_default() {
+    // A v1 `cgroup.procs` lists the process of any thread inside: never the broker's own.
+    let broker = std::process::id();
+    for pid in members(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|&pid| pid != broker)
+    {
         if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         }

@@ -12,7 +12,7 @@
 //! 4. [`Sandbox::command`]: the command that starts the agent confined (the caller adds the
 //!    environment, stdio and process group, and spawns it);
 //! 5. [`Sandbox::prepare_limits`] (before 4): the session's cgroups, with optional limits,
-//!    which the worker joins before its program starts;
+//!    which the worker is in before its program starts ([`Sandbox::cgroup_entry`]);
 //! 6. [`Sandbox::release_uid`] when the session's storage is gone.
 //!
 //! # Modes
@@ -65,9 +65,9 @@
 //!
 //! [`Sandbox::prepare_limits`] creates one cgroup per session (`openab-<session id>-<root
 //! device>.<root inode>`, beside the broker's own cgroup) on cgroup v2, v1, or both (hybrid
-//! hosts: each controller from the hierarchy that has it, v2 preferred). The worker joins it
-//! before its program starts ([`LaunchSpec::join_cgroups`]), so a limit holds from the agent's
-//! first instruction and nothing it forks, detaches or re-executes with a clean environment can
+//! hosts: each controller from the hierarchy that has it, v2 preferred). The worker is in it
+//! before its program starts ([`CgroupEntry`]: born inside on cgroup v1, through a joining shell
+//! on v2), so a limit holds from the agent's first instruction and nothing it forks, detaches or re-executes with a clean environment can
 //! leave the session: stopping the worker kills what is left in the cgroup.
 
 use std::fmt;
@@ -160,6 +160,21 @@ pub(crate) struct WorkerPaths {
     pub(crate) state: String,
 }
 
+/// How a worker enters its cgroups ([`Sandbox::cgroup_entry`]); each way but `Adopt` has it in
+/// them before its first instruction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CgroupEntry {
+    /// Born inside ([`LimitsHandle::spawn_inside`]): cgroup v1 places single threads, so the
+    /// spawning thread joins them for the spawn.
+    Birth,
+    /// Through the joining shell, which writes its pid into each `cgroup.procs` and executes
+    /// the program ([`cgroup::join_at_exec`]): cgroup v2 places whole processes only, and `std`
+    /// cannot spawn with `CLONE_INTO_CGROUP`.
+    AtExec,
+    /// Moved in once it runs ([`LimitsHandle::adopt`]).
+    Adopt,
+}
+
 /// What to start for a session.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LaunchSpec<'a> {
@@ -174,8 +189,8 @@ pub(crate) struct LaunchSpec<'a> {
     pub(crate) dirs: &'a SessionDirs,
     /// The session's uid from [`Sandbox::allocate_uid`], if any.
     pub(crate) uid: Option<u32>,
-    /// The `cgroup.procs` files of cgroups the worker joins before its program starts (see
-    /// [`Sandbox::joins_cgroups_at_exec`]); `None` to start it where the broker is.
+    /// The `cgroup.procs` files of cgroups the worker joins before its program starts
+    /// ([`CgroupEntry::AtExec`]); `None` to start it where it is spawned.
     pub(crate) join_cgroups: Option<&'a [PathBuf]>,
     /// What of the host the program needs ([`needs::resolve`], checked by
     /// [`Sandbox::check_needs`]): shown read-only at the same paths.
@@ -628,16 +643,30 @@ impl Sandbox {
     pub(crate) fn command(&self, spec: &LaunchSpec<'_>) -> Result<tokio::process::Command, Error> {
         let command = self.confined_command(spec)?;
         Ok(match spec.join_cgroups {
-            Some(procs) if self.joins_cgroups_at_exec(spec.uid) => cgroup::join_at_exec(&command, procs),
+            Some(procs) => cgroup::join_at_exec(&command, procs),
             _ => command,
         })
     }
 
-    /// Whether a worker of a session with `uid` can join its cgroups before its program starts
-    /// ([`LaunchSpec::join_cgroups`]): the joining shell runs as the broker (in plain mode with a
-    /// uid it would run as that uid, which may not write to cgroups), and `/bin/sh` exists.
-    /// Otherwise [`LimitsHandle::adopt`] moves the worker in once it runs.
-    pub(crate) fn joins_cgroups_at_exec(&self, uid: Option<u32>) -> bool {
+    /// How the worker of a session with `uid` enters the cgroups of `limits`: born inside them
+    /// where every one is cgroup v1 (and the caller is not the broker's main thread, see
+    /// [`LimitsHandle::can_be_born_in`]); else through the joining shell before its program starts
+    /// ([`LaunchSpec::join_cgroups`]), which runs as the broker (in plain mode with a uid it
+    /// would run as that uid, which may not write to cgroups) and needs `/bin/sh`; else moved in
+    /// once it runs.
+    pub(crate) fn cgroup_entry(&self, limits: &LimitsHandle, uid: Option<u32>) -> CgroupEntry {
+        if limits.can_be_born_in() {
+            CgroupEntry::Birth
+        } else if self.joins_cgroups_at_exec(uid) {
+            CgroupEntry::AtExec
+        } else {
+            CgroupEntry::Adopt
+        }
+    }
+
+    /// Whether a worker of a session with `uid` can join its cgroups through the joining shell
+    /// (see [`Sandbox::cgroup_entry`]).
+    fn joins_cgroups_at_exec(&self, uid: Option<u32>) -> bool {
         !(self.kind() == SandboxKind::None && uid.is_some()) && cgroup::can_join_at_exec()
     }
 
