@@ -65,7 +65,7 @@ pub(crate) fn spawn(
     stderr: AgentStderr,
     cgroups: Option<LimitsHandle>,
     born_in_cgroups: bool,
-) -> Result<Spawned, Error> {
+) -> Result<Spawned> {
     let failed = |why: String| Error::WorkerFailed {
         id,
         cause: WorkerFailure::Spawn(why),

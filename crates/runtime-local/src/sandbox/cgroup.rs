@@ -29,8 +29,17 @@ const BROKER_LEAF: &str = "openab-broker";
 /// The CFS period used for cpu limits, in microseconds.
 const CPU_PERIOD_US: u64 = 100_000;
 
-/// How many times removing a cgroup kills its members and tries again (5 ms apart).
-const REMOVE_ATTEMPTS: usize = 200;
+/// How long removing a cgroup keeps killing its members and trying again.
+const REMOVE_WAIT: Duration = Duration::from_secs(1);
+
+/// The first pause before trying again; each next one is twice as long, up to
+/// [`REMOVE_STEP_MAX`]. A killed process leaves within microseconds, and the usual straggler is
+/// one already exiting (a sandbox's inner process, whose `/proc` entry no longer shows the
+/// worker's marker): short first steps keep a stop quick.
+const REMOVE_STEP_MIN: Duration = Duration::from_micros(100);
+
+/// The longest pause between two attempts.
+const REMOVE_STEP_MAX: Duration = Duration::from_millis(5);
 
 /// How many times the worker's process tree is rescanned until every member is in the cgroup.
 const MOVE_ROUNDS: usize = 20;
@@ -676,6 +685,13 @@ impl LimitsHandle {
         command: &mut tokio::process::Command,
     ) -> Result<io::Result<tokio::process::Child>, Error> {
         let fail = |what: &str, error: io::Error| cgroup_error(&self.limits, what.to_owned(), error);
+        if !self.can_be_born_in() {
+            // `cgroup_entry` chose birth on another thread, or on a v2 host: never join there.
+            return Err(fail(
+                "spawning inside the cgroups",
+                io::Error::other("not possible from this thread or on this hierarchy"),
+            ));
+        }
         let pids = self
             .limits
             .pids
@@ -839,20 +855,20 @@ impl LimitsHandle {
     ///
     /// [`Error::Backend`] if a cgroup cannot be removed.
     pub(crate) fn remove(&self) -> Result<(), Error> {
+        let deadline = std::time::Instant::now() + REMOVE_WAIT;
         for group in &self.groups {
-            let mut attempt = 0;
+            let mut step = REMOVE_STEP_MIN;
             loop {
                 match std::fs::remove_dir(&group.dir) {
                     Ok(()) => break,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                     Err(e)
                         if e.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
-                            && attempt < REMOVE_ATTEMPTS =>
+                            && std::time::Instant::now() < deadline =>
                     {
-                        attempt += 1;
                         kill_members(&group.dir);
-                        // Killed processes leave within moments; short steps keep a stop quick.
-                        std::thread::sleep(Duration::from_millis(5));
+                        std::thread::sleep(step);
+                        step = (step * 2).min(REMOVE_STEP_MAX);
                     }
                     Err(e) => {
                         return Err(crate::backend_error(

@@ -653,7 +653,7 @@ impl Sandbox {
     /// [`LimitsHandle::can_be_born_in`]); else through the joining shell before its program starts
     /// ([`LaunchSpec::join_cgroups`]), which runs as the broker (in plain mode with a uid it
     /// would run as that uid, which may not write to cgroups) and needs `/bin/sh`; else moved in
-    /// once it runs.
+    /// once it runs. Birth is decided for the calling thread, which must then spawn the worker.
     pub(crate) fn cgroup_entry(&self, limits: &LimitsHandle, uid: Option<u32>) -> CgroupEntry {
         if limits.can_be_born_in() {
             CgroupEntry::Birth
