@@ -284,7 +284,7 @@ const COUNT_SMALL: u64 = 2;
 const COUNT_LARGE: u64 = 12;
 
 /// Instructions of this (the broker's) process per cycle of `mode`, if valgrind runs here: the
-/// difference of two callgrind runs, per extra cycle. The agent (and in plain mode the shell
+/// difference of two callgrind runs, per extra cycle. The agent (and, on cgroup v2, the shell
 /// that joins the cgroups) runs natively and is not counted, alike in both modes.
 fn instructions_per_cycle(mode: &str) -> Option<f64> {
     if std::env::var_os("OAB_BENCH_NO_INSTRUCTIONS").is_some() {
