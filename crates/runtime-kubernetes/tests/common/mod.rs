@@ -135,10 +135,17 @@ pub async fn finished_interrupted_close(
     let broker = runtime(cluster, profile, Reach::Exec, installation);
     let identity = SessionIdentity::new(installation, "agent", "test", thread).expect("identity");
     let id = identity.id();
-    broker
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
+    // The controller beside it runs with no orphan grace, so it may finish this create itself
+    // while the broker is still at it; the broker is then told to create again (a retryable
+    // error), as a broker retries any.
+    let mut attempts = 0;
+    loop {
+        match broker.create(&identity, &CreateOptions::new()).await {
+            Ok(_) => break,
+            Err(error) if error.retryable() && attempts < 5 => attempts += 1,
+            Err(error) => panic!("create: {error:?}"),
+        }
+    }
     broker
         .record_closing(&id, CloseReason::Reset)
         .await
