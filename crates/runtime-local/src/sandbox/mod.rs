@@ -67,8 +67,9 @@
 //! device>.<root inode>`, beside the broker's own cgroup) on cgroup v2, v1, or both (hybrid
 //! hosts: each controller from the hierarchy that has it, v2 preferred). The worker is in it
 //! before its program starts ([`CgroupEntry`]: born inside on cgroup v1, through a joining shell
-//! on v2), so a limit holds from the agent's first instruction and nothing it forks, detaches or re-executes with a clean environment can
-//! leave the session: stopping the worker kills what is left in the cgroup.
+//! on v2), so a limit holds from the agent's first instruction and nothing it forks, detaches or
+//! re-executes with a clean environment can leave the session: stopping the worker kills what is
+//! left in the cgroup.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
