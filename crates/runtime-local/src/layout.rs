@@ -105,3 +105,13 @@ pub(crate) fn plain_dir(path: &Path) -> io::Result<bool> {
         Err(e) => Err(e),
     }
 }
+
+/// Makes `path` a directory (with its missing parents) unless it is one, as
+/// [`plain_dir`] sees it: a symbolic link or anything else there is an error.
+pub(crate) fn ensure_plain_dir(path: &Path) -> io::Result<()> {
+    if plain_dir(path)? {
+        return Ok(());
+    }
+    std::fs::create_dir_all(path)?;
+    plain_dir(path).map(drop)
+}

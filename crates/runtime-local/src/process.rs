@@ -22,9 +22,23 @@ pub(crate) struct ProcStat {
     pub(crate) zombie: bool,
 }
 
+/// Reads a file of `/proc`, whose size the kernel reports as 0, into a buffer of `capacity`
+/// bytes (grown if needed): usually one read and the one that sees its end, where
+/// `fs::read_to_string` would ask for its size, then start small and double, one read per step.
+/// Bytes that are not UTF-8 (a command name may hold any) are replaced, not an error.
+pub(crate) fn read_proc(path: impl AsRef<std::path::Path>, capacity: usize) -> io::Result<String> {
+    let mut bytes = Vec::with_capacity(capacity);
+    io::Read::read_to_end(&mut io::Read::take(fs::File::open(path)?, u64::MAX), &mut bytes)?;
+    Ok(match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(invalid) => String::from_utf8_lossy(invalid.as_bytes()).into_owned(),
+    })
+}
+
 /// Reads `/proc/<pid>/stat`; `None` if the process does not exist.
 pub(crate) fn stat(pid: u32) -> Option<ProcStat> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // A stat line is about 300 bytes (52 fields and the command name).
+    let text = read_proc(format!("/proc/{pid}/stat"), 1024).ok()?;
     parse_stat(&text)
 }
 

@@ -252,6 +252,24 @@ pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>,
     Ok(Some(record))
 }
 
+/// Creates a new file at `path` (a temporary name, to be renamed into place), never opening what
+/// is there: a symbolic link planted at that name would otherwise have its target (anywhere on
+/// the host) overwritten. Usually nothing is there, as each use renames its file away; what an
+/// interrupted one left is removed first.
+pub(crate) fn create_fresh(path: &Path) -> io::Result<File> {
+    let create = || OpenOptions::new().write(true).create_new(true).open(path);
+    match create() {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            match fs::remove_file(path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            create()
+        }
+        created => created,
+    }
+}
+
 /// Atomically replaces the record at `path`.
 pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
     let fail = |e: io::Error| crate::backend_error(true, "writing a session record", e);
@@ -264,18 +282,7 @@ pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
     let temporary = dir.join(".record.json.tmp");
     let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(io::Error::other(e)))?;
     {
-        // A fresh file, never whatever is at the temporary name: a symbolic link planted there
-        // would otherwise have its target (anywhere on the host) overwritten.
-        match fs::remove_file(&temporary) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(fail(e)),
-        }
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temporary)
-            .map_err(fail)?;
+        let mut file = create_fresh(&temporary).map_err(fail)?;
         file.write_all(&bytes).map_err(fail)?;
         if record.at_rest() {
             file.sync_all().map_err(fail)?;

@@ -208,18 +208,21 @@ pub(crate) fn check(root: &Path) -> Result<()> {
 /// As for [`check`]; [`Error::Backend`] with the OS error as its source if it cannot be created.
 pub(crate) fn ensure(root: &Path) -> Result<()> {
     check(root)?;
-    let fail = |e| io_error(format!("creating the session root {}", root.display()), e);
-    if !root.exists() {
-        if let Some(parent) = root.parent() {
-            std::fs::create_dir_all(parent).map_err(fail)?;
-        }
-        match std::fs::DirBuilder::new().mode(0o711).create(root) {
-            // The umask may have taken bits away: this directory is ours to set.
-            Ok(()) => std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(fail)?,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(fail(e)),
-        }
+    if root.exists() {
+        // Checked as it is: nothing to create.
+        return Ok(());
     }
+    let fail = |e| io_error(format!("creating the session root {}", root.display()), e);
+    if let Some(parent) = root.parent() {
+        std::fs::create_dir_all(parent).map_err(fail)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o711).create(root) {
+        // The umask may have taken bits away: this directory is ours to set.
+        Ok(()) => std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).map_err(fail)?,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(fail(e)),
+    }
+    // Made now, or by someone else meanwhile: checked again as it is.
     check(root)
 }
 

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io;
+use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -21,7 +21,7 @@ use crate::egress::EgressProxy;
 use crate::layout::{self, SessionDirs};
 use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
-use crate::sandbox::{needs, CgroupEntry, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
+use crate::sandbox::{needs, storage, CgroupEntry, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
@@ -335,9 +335,12 @@ impl LocalRuntime {
         .await;
         if record.uid.is_none() {
             // Created before this broker could give sessions their own user (or by one that
-            // could not): hand the storage over now. Both calls are idempotent.
+            // could not): hand the storage over now, if this one can. Both calls are idempotent;
+            // without a user the storage stays as `create` prepared it.
             record.uid = self.sandbox.allocate_uid(&self.settings.root, &id)?;
-            self.sandbox.prepare_storage(&dirs, record.uid)?;
+            if record.uid.is_some() {
+                self.sandbox.prepare_storage(&dirs, record.uid)?;
+            }
         }
 
         // The generation is bumped durably, with the launch intent, before any process starts.
@@ -552,6 +555,11 @@ impl LocalRuntime {
     /// [`Error::InvalidConfig`] naming `agent.needs` for an entry that no longer resolves.
     fn agent_needs(&self) -> Result<Vec<needs::Needed>> {
         let agent = &self.settings.agent;
+        if self.sandbox.kind() == SandboxKind::None {
+            // Nothing is shown to a plain worker, which sees the whole host: the listed entries
+            // are still checked, and the program's own files need no looking up.
+            return needs::listed(&agent.needs);
+        }
         needs::resolve(&agent.program, &agent.needs, &self.agent_path_var())
     }
 
@@ -652,9 +660,7 @@ impl LocalRuntime {
             self.remember_counters(&record)?;
         }
         let moved = destination.join(format!("{id}.{}", record.incarnation));
-        fs::create_dir_all(&destination)
-            .and_then(|()| layout::plain_dir(&destination))
-            .map_err(|e| storage_error("preparing closed storage", e))?;
+        layout::ensure_plain_dir(&destination).map_err(|e| storage_error("preparing closed storage", e))?;
         fs::rename(&dirs.base, &moved).map_err(|e| storage_error("moving closed storage", e))?;
         held.lock = None;
         // Retained storage stays owned by the session's user, so the user is kept until the
@@ -663,7 +669,7 @@ impl LocalRuntime {
             fs::File::open(&self.settings.root)
                 .and_then(|root| root.sync_all())
                 .map_err(|e| storage_error("recording the close durably", e))?;
-            fs::remove_dir_all(&moved).map_err(|e| storage_error("deleting session storage", e))?;
+            storage::remove_tree(&moved).map_err(|e| storage_error("deleting session storage", e))?;
             self.release_uid_unless_stored(&id)?;
         }
         Ok(true)
@@ -690,16 +696,12 @@ impl LocalRuntime {
     fn remember_counters(&self, record: &SessionRecord) -> Result<()> {
         let dir = layout::counters_dir(&self.settings.root);
         let fail = |e| storage_error("keeping the counters of a closed session", e);
-        fs::create_dir_all(&dir)
-            .and_then(|()| layout::plain_dir(&dir))
-            .map_err(fail)?;
+        layout::ensure_plain_dir(&dir).map_err(fail)?;
         let temporary = dir.join(format!(".{}.tmp", record.id));
-        let _ = fs::remove_file(&temporary);
-        fs::write(
-            &temporary,
-            format!("{} {}\n", record.generation, record.incarnation),
-        )
-        .map_err(fail)?;
+        let counters = format!("{} {}\n", record.generation, record.incarnation);
+        record::create_fresh(&temporary)
+            .and_then(|mut file| file.write_all(counters.as_bytes()))
+            .map_err(fail)?;
         fs::rename(&temporary, dir.join(record.id.as_str())).map_err(fail)
     }
 

@@ -30,6 +30,9 @@ use errors::backend_error;
 #[path = "../src/layout.rs"]
 mod layout;
 #[allow(dead_code)]
+#[path = "../src/process.rs"]
+mod process;
+#[allow(dead_code)]
 #[path = "../src/sandbox/mod.rs"]
 mod sandbox;
 

@@ -287,9 +287,9 @@ impl CgroupHost {
         /// mount, or a move of the broker to another cgroup, is seen at once), but parsing them,
         /// most of what detecting cost per worker start, is done only when they changed.
         static LAST: parking_lot::Mutex<Option<(String, String, CgroupHost)>> = parking_lot::Mutex::new(None);
-        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+        let mountinfo = crate::process::read_proc("/proc/self/mountinfo", 16 * 1024)
             .map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?;
-        let cgroups = std::fs::read_to_string("/proc/self/cgroup")
+        let cgroups = crate::process::read_proc("/proc/self/cgroup", 1024)
             .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
         let mut last = LAST.lock();
         let host = match &*last {
@@ -399,6 +399,18 @@ impl CgroupHost {
                 missing.join(" and "),
                 if missing.len() > 1 { "s" } else { "" }
             ));
+        }
+        if limits.memory.is_none() && limits.pids.is_none() && limits.cpu.is_none() {
+            // Without limits a cgroup only holds the session's processes together, to be found
+            // and killed: one group does that. On v1 the cheapest is the pids hierarchy's (a
+            // memory cgroup costs the kernel several times more to create and remove).
+            match groups
+                .iter()
+                .position(|group| group.controllers.contains(&Controller::Pids))
+            {
+                Some(pids) => groups = vec![groups.swap_remove(pids)],
+                None => groups.truncate(1),
+            }
         }
         Ok(groups)
     }
@@ -625,10 +637,7 @@ pub(crate) fn cpu_quota_us(cores: f64) -> u64 {
 
 /// `pid`'s parent, from `/proc/<pid>/stat`.
 fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // `pid (comm) state ppid ...`; comm may contain spaces and parentheses.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    crate::process::stat(pid).map(|stat| stat.ppid)
 }
 
 /// `root` and all its descendants now living.

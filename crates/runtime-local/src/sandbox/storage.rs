@@ -1,5 +1,6 @@
 //! Making a session's storage private to it.
 
+use std::ffi::CString;
 use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -92,6 +93,78 @@ fn chown_tree(top: &Path, uid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Deletes the directory `top` and everything beneath it, never following a symbolic link (a
+/// link is removed, not what it points to), as `std::fs::remove_dir_all` does, with fewer system
+/// calls for what session storage mostly holds: each subdirectory is first removed as if empty,
+/// and only opened and emptied when it is not.
+///
+/// # Errors
+///
+/// The first error other than a missing entry (something else may be deleting it too).
+pub(crate) fn remove_tree(top: &Path) -> io::Result<()> {
+    use rustix::io::Errno;
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let fd = match rustix::fs::open(top, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        // A link or a file where the directory was: removed itself, as `remove_dir_all` does.
+        Err(Errno::LOOP | Errno::NOTDIR) => return std::fs::remove_file(top),
+        Err(e) => return Err(e.into()),
+    };
+    let gone = |result: rustix::io::Result<()>| match result {
+        Ok(()) | Err(Errno::NOENT) => Ok(()),
+        Err(e) => Err(io::Error::from(e)),
+    };
+    // Each directory being emptied, with its name in the one below it on the stack.
+    let mut stack: Vec<(Dir, Option<CString>)> = vec![(Dir::new(fd)?, None)];
+    while let Some((dir, _)) = stack.last_mut() {
+        let Some(entry) = dir.read() else {
+            if let Some((_, Some(name))) = stack.pop() {
+                if let Some((parent, _)) = stack.last() {
+                    gone(rustix::fs::unlinkat(parent.fd()?, &name, AtFlags::REMOVEDIR))?;
+                }
+            }
+            continue;
+        };
+        let entry = entry?;
+        let name = entry.file_name();
+        if name.to_bytes() == b"." || name.to_bytes() == b".." {
+            continue;
+        }
+        let parent = dir.fd()?;
+        let is_dir = match entry.file_type() {
+            FileType::Directory => true,
+            FileType::Unknown => match rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(stat) => FileType::from_raw_mode(stat.st_mode) == FileType::Directory,
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(e.into()),
+            },
+            _ => false,
+        };
+        if !is_dir {
+            gone(rustix::fs::unlinkat(parent, name, AtFlags::empty()))?;
+            continue;
+        }
+        match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
+            Ok(()) | Err(Errno::NOENT) => continue,
+            Err(Errno::NOTEMPTY | Errno::EXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let child = match rustix::fs::openat(parent, name, flags, Mode::empty()) {
+            Ok(child) => child,
+            Err(Errno::NOENT) => continue,
+            // Replaced by something that is not a directory meanwhile: that is removed instead.
+            Err(Errno::LOOP | Errno::NOTDIR) => {
+                gone(rustix::fs::unlinkat(parent, name, AtFlags::empty()))?;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let name = name.to_owned();
+        stack.push((Dir::new(child)?, Some(name)));
+    }
+    std::fs::remove_dir(top)
+}
+
 /// The generated identity files of a bubblewrap sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct IdentityFiles {
@@ -133,4 +206,56 @@ pub(super) fn write_identity_files(base: &Path, uid: u32) -> Result<IdentityFile
             .map_err(|e| storage_error(format!("writing {}", path.display()), e))?;
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::os::unix::fs::symlink;
+
+    use super::remove_tree;
+
+    #[test]
+    fn remove_tree_deletes_everything_beneath_and_follows_no_link() {
+        let scratch = tempfile::tempdir().expect("scratch");
+        let outside = scratch.path().join("outside");
+        fs::create_dir(&outside).expect("outside");
+        fs::write(outside.join("kept"), "not the session's").expect("outside file");
+        let top = scratch.path().join("session");
+        for dir in ["empty", "home/.agent/deep/er", "workspace/src"] {
+            fs::create_dir_all(top.join(dir)).expect("dirs");
+        }
+        fs::write(top.join("record.json"), "{}").expect("file");
+        fs::write(top.join("home/.agent/deep/state"), "x").expect("nested file");
+        fs::write(top.join("workspace/src/main.rs"), "fn main() {}").expect("nested file");
+        symlink(&outside, top.join("workspace/link-to-dir")).expect("link");
+        symlink(outside.join("kept"), top.join("home/link-to-file")).expect("link");
+        symlink("/nonexistent", top.join("dangling")).expect("link");
+
+        remove_tree(&top).expect("removed");
+
+        assert!(fs::symlink_metadata(&top).is_err(), "the tree is gone");
+        assert_eq!(
+            fs::read_to_string(outside.join("kept")).expect("what a link pointed to is left"),
+            "not the session's"
+        );
+        assert_eq!(fs::read_dir(&outside).expect("outside").count(), 1);
+    }
+
+    #[test]
+    fn remove_tree_removes_a_link_in_place_of_the_directory_not_its_target() {
+        let scratch = tempfile::tempdir().expect("scratch");
+        let target = scratch.path().join("target");
+        fs::create_dir(&target).expect("target");
+        fs::write(target.join("kept"), "x").expect("file");
+        let top = scratch.path().join("session");
+        symlink(&target, &top).expect("link");
+
+        remove_tree(&top).expect("removed");
+
+        assert!(fs::symlink_metadata(&top).is_err(), "the link is gone");
+        assert!(target.join("kept").exists(), "its target is untouched");
+        let missing = remove_tree(&top).expect_err("nothing to remove");
+        assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
+    }
 }
