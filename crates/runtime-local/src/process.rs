@@ -27,8 +27,13 @@ pub(crate) struct ProcStat {
 /// `fs::read_to_string` would ask for its size, then start small and double, one read per step.
 /// Bytes that are not UTF-8 (a command name may hold any) are replaced, not an error.
 pub(crate) fn read_proc(path: impl AsRef<std::path::Path>, capacity: usize) -> io::Result<String> {
+    read_all(&mut fs::File::open(path)?, capacity)
+}
+
+/// The rest of `file`, read as [`read_proc`] reads.
+pub(crate) fn read_all(file: &mut fs::File, capacity: usize) -> io::Result<String> {
     let mut bytes = Vec::with_capacity(capacity);
-    io::Read::read_to_end(&mut io::Read::take(fs::File::open(path)?, u64::MAX), &mut bytes)?;
+    io::Read::read_to_end(&mut io::Read::take(file, u64::MAX), &mut bytes)?;
     Ok(match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(invalid) => String::from_utf8_lossy(invalid.as_bytes()).into_owned(),

@@ -721,7 +721,9 @@ impl LocalRuntime {
     /// The newest retained record of `id`, with its directory.
     fn retained(&self, id: &SessionId) -> Option<(SessionRecord, PathBuf)> {
         let dir = layout::retained_dir(&self.settings.root);
-        layout::plain_dir(&dir).ok()?;
+        if !layout::plain_dir(&dir).ok()? {
+            return None;
+        }
         let entries = fs::read_dir(dir).ok()?;
         entries
             .flatten()

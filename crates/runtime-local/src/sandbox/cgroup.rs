@@ -220,6 +220,40 @@ fn write(path: &Path, value: &str) -> io::Result<()> {
     std::fs::write(path, value)
 }
 
+/// This process's mount table as last read, with `/proc/self/mountinfo` kept open: the kernel
+/// marks that open file (`POLLPRI`) when a mount or unmount changes the table, so a poll that
+/// does not wait tells whether to read it again (reading it costs the kernel a walk of every
+/// mount, several times a plain `/proc` file). The descriptor is close-on-exec, as every one of
+/// the broker's: no worker inherits it.
+struct MountTable {
+    file: std::fs::File,
+    text: String,
+}
+
+impl MountTable {
+    /// Opens the table and reads it; changes from then on mark the file.
+    fn read() -> io::Result<Self> {
+        let mut file = std::fs::File::open("/proc/self/mountinfo")?;
+        let text = crate::process::read_all(&mut file, 16 * 1024)?;
+        Ok(Self { file, text })
+    }
+
+    /// Whether the table changed since it was read (or cannot be told: then it counts as
+    /// changed, and is read again).
+    fn changed(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(&self.file, PollFlags::PRI)];
+        let now = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match poll(&mut fds, Some(&now)) {
+            Ok(0) => false,
+            Ok(_) | Err(_) => true,
+        }
+    }
+}
+
 /// One mount of `/proc/self/mountinfo`.
 struct Mount<'a> {
     /// The directory of the hierarchy that is mounted (relative to the hierarchy's root).
@@ -283,24 +317,29 @@ impl CgroupHost {
     ///
     /// Why no hierarchy is usable.
     pub(crate) fn detect() -> Result<Self, String> {
-        /// The last texts parsed and what they gave: both files are read again every time (a
-        /// mount, or a move of the broker to another cgroup, is seen at once), but parsing them,
-        /// most of what detecting cost per worker start, is done only when they changed.
-        static LAST: parking_lot::Mutex<Option<(String, String, CgroupHost)>> = parking_lot::Mutex::new(None);
-        let mountinfo = crate::process::read_proc("/proc/self/mountinfo", 16 * 1024)
-            .map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?;
+        /// What was read and parsed last. The cgroup file is read again every time (a move of
+        /// the broker to another cgroup is seen at once); the mount table only when the kernel
+        /// says it changed ([`MountTable`]). Parsing, most of what detecting cost per worker
+        /// start, is done only when either changed.
+        static LAST: parking_lot::Mutex<Option<(MountTable, String, CgroupHost)>> =
+            parking_lot::Mutex::new(None);
         let cgroups = crate::process::read_proc("/proc/self/cgroup", 1024)
             .map_err(|e| format!("reading /proc/self/cgroup: {e}"))?;
         let mut last = LAST.lock();
-        let host = match &*last {
-            Some((seen_mounts, seen_cgroups, host))
-                if *seen_mounts == mountinfo && *seen_cgroups == cgroups =>
-            {
-                host.clone()
+        // Polled once: a poll that reports a change also clears the mark.
+        let seen = last.take().filter(|(mounts, _, _)| !mounts.changed());
+        let host = match seen {
+            Some((mounts, seen_cgroups, host)) if seen_cgroups == cgroups => {
+                *last = Some((mounts, cgroups, host.clone()));
+                host
             }
-            _ => {
-                let host = Self::parse(&mountinfo, &cgroups);
-                *last = Some((mountinfo, cgroups, host.clone()));
+            seen => {
+                let mounts = match seen {
+                    Some((mounts, _, _)) => mounts,
+                    None => MountTable::read().map_err(|e| format!("reading /proc/self/mountinfo: {e}"))?,
+                };
+                let host = Self::parse(&mounts.text, &cgroups);
+                *last = Some((mounts, cgroups, host.clone()));
                 host
             }
         };
@@ -363,7 +402,7 @@ impl CgroupHost {
         let v2_available: HashSet<String> = self
             .v2
             .as_ref()
-            .and_then(|v2| std::fs::read_to_string(v2.parent.join("cgroup.controllers")).ok())
+            .and_then(|v2| crate::process::read_proc(v2.parent.join("cgroup.controllers"), 256).ok())
             .map(|text| text.split_whitespace().map(str::to_owned).collect())
             .unwrap_or_default();
         let mut groups: Vec<Group> = Vec::new();
@@ -908,6 +947,42 @@ fn kill_members(dir: &Path) {
     {
         if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MountTable;
+
+    /// A mount in this process's namespace marks the table once; the mark is gone after the poll
+    /// that saw it. Mounting needs root: elsewhere the mount is refused, and the table must then
+    /// read as unchanged.
+    #[test]
+    fn a_mount_marks_the_mount_table_as_changed_once() {
+        let table = MountTable::read().expect("mountinfo");
+        assert!(!table.changed(), "nothing was mounted yet");
+        let point = tempfile::tempdir().expect("mount point");
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "oab-mount-table-test"])
+            .arg(point.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        let seen = table.changed();
+        let seen_again = table.changed();
+        if mounted {
+            let unmounted = std::process::Command::new("umount").arg(point.path()).status();
+            assert!(unmounted.is_ok_and(|status| status.success()), "unmounted");
+        }
+        assert_eq!((seen, seen_again), (mounted, false), "mounted: {mounted}");
+        if mounted {
+            assert!(table.changed(), "the unmount is a change too");
+            let fresh = MountTable::read().expect("mountinfo");
+            assert!(
+                !fresh.text.contains("oab-mount-table-test"),
+                "read again, as it is now"
+            );
         }
     }
 }
