@@ -146,6 +146,14 @@ pub(crate) fn with_environment_entry(marker: &str) -> Vec<u32> {
 /// process, the worker and its group are long gone and nothing is signalled. If no process has
 /// that pid, members of its group that outlived it are signalled (the kernel does not reuse a pid
 /// while a process group of that id exists).
+/// Sends `signal` to the process group `pgid` (the kernel does not reuse a pid while a group of
+/// that id exists, so its members, if any, are the worker's).
+pub(crate) fn signal_group(pgid: u32, signal: rustix::process::Signal) {
+    if let Some(pgid) = i32::try_from(pgid).ok().and_then(rustix::process::Pid::from_raw) {
+        let _ = rustix::process::kill_process_group(pgid, signal);
+    }
+}
+
 pub(crate) fn signal_tree(root: ProcessRef, signal: rustix::process::Signal) -> io::Result<()> {
     let send = |pid: u32, group: bool| {
         if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {

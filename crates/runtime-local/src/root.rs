@@ -226,6 +226,55 @@ pub(crate) fn ensure(root: &Path) -> Result<()> {
     check(root)
 }
 
+/// A root [`ensure`] found usable, remembered by what its checks depend on, so that the next
+/// `ensure` of the same directory in the same state costs one `stat`.
+#[derive(Debug, Default)]
+pub(crate) struct CheckedRoot(parking_lot::Mutex<Option<RootState>>);
+
+/// What the checks of an existing root depend on: which directory the path leads to (device and
+/// inode: a link changed to lead elsewhere leads to another), its mode and owner, and the
+/// broker's `HOME`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RootState {
+    path: PathBuf,
+    device: u64,
+    inode: u64,
+    mode: u32,
+    uid: u32,
+    home: Option<std::ffi::OsString>,
+}
+
+impl RootState {
+    fn of(root: &Path) -> Option<Self> {
+        let meta = std::fs::metadata(root).ok()?;
+        Some(Self {
+            path: root.to_path_buf(),
+            device: meta.dev(),
+            inode: meta.ino(),
+            mode: meta.mode(),
+            uid: meta.uid(),
+            home: std::env::var_os("HOME"),
+        })
+    }
+}
+
+impl CheckedRoot {
+    /// [`ensure`], skipped when `root` is the directory it last passed, unchanged.
+    ///
+    /// # Errors
+    ///
+    /// As for [`ensure`].
+    pub(crate) fn ensure(&self, root: &Path) -> Result<()> {
+        let now = RootState::of(root);
+        if now.is_some() && *self.0.lock() == now {
+            return Ok(());
+        }
+        ensure(root)?;
+        *self.0.lock() = RootState::of(root);
+        Ok(())
+    }
+}
+
 /// `<device>.<inode>` of `root`, if it exists (see `LocalRuntime::root_tag`).
 pub(crate) fn tag_of(root: &Path) -> Option<String> {
     let meta = std::fs::metadata(root).ok()?;
@@ -269,5 +318,26 @@ mod tests {
         let created = dir.path().join("a/b/sessions");
         ensure(&created).expect("new root");
         assert_eq!(std::fs::metadata(&created).expect("meta").mode() & 0o7777, 0o711);
+    }
+
+    #[test]
+    fn a_checked_root_is_checked_again_once_it_changes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("sessions");
+        let checked = CheckedRoot::default();
+        checked.ensure(&root).expect("created and checked");
+        checked.ensure(&root).expect("unchanged");
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let error = checked.ensure(&root).expect_err("every user may write to it now");
+        assert!(error.to_string().contains("every user may write"), "{error}");
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+        checked.ensure(&root).expect("usable again");
+        // Another directory at the same path (a link retargeted, a root recreated).
+        std::fs::remove_dir(&root).expect("rmdir");
+        std::os::unix::fs::symlink("/usr", &root).expect("link");
+        let error = checked
+            .ensure(&root)
+            .expect_err("the path now leads to a system directory");
+        assert!(error.to_string().contains("system directory"), "{error}");
     }
 }

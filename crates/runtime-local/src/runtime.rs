@@ -43,6 +43,8 @@ pub struct LocalRuntime {
     pub(crate) broker: ProcessRef,
     /// See [`LocalRuntime::root_tag`].
     root_tag: OnceLock<String>,
+    /// The root as `create` last found it usable.
+    checked_root: crate::root::CheckedRoot,
     slots: Mutex<HashMap<SessionId, Arc<Slot>>>,
 }
 
@@ -95,6 +97,7 @@ impl LocalRuntime {
             sandbox,
             broker: ProcessRef::current(),
             root_tag: OnceLock::new(),
+            checked_root: crate::root::CheckedRoot::default(),
             slots: Mutex::default(),
         }
     }
@@ -750,7 +753,7 @@ impl LocalRuntime {
     ) -> Result<SessionRecord> {
         let id = identity.id();
         let dirs = self.dirs(&id);
-        crate::root::ensure(&self.settings.root)?;
+        self.checked_root.ensure(&self.settings.root)?;
         let adopted = match fs::create_dir(&dirs.base) {
             Ok(()) => false,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {

@@ -103,6 +103,7 @@ pub(crate) fn spawn(
         (None, _) => {}
     }
     let exit = ExitCell::new();
+    let members = cgroups.clone();
     {
         let exit = exit.clone();
         tokio::spawn(async move {
@@ -123,6 +124,7 @@ pub(crate) fn spawn(
         generation,
         process,
         exit,
+        cgroups: members,
     });
     Ok(Spawned {
         worker,
@@ -186,24 +188,41 @@ pub(crate) struct LocalWorker {
     generation: Generation,
     pub(crate) process: ProcessRef,
     exit: ExitCell,
+    /// The cgroups it runs in, which hold every process of its tree.
+    cgroups: Option<LimitsHandle>,
 }
 
 impl LocalWorker {
     async fn stop(&self, grace: Duration) -> WorkerExit {
         if let Some(exit) = self.exit.get() {
             // The leader is gone; members of its tree may not be.
-            let _ = process::signal_tree(self.process, Signal::KILL);
+            self.signal(Signal::KILL);
             return exit;
         }
         if !grace.is_zero() {
-            let _ = process::signal_tree(self.process, Signal::TERM);
+            self.signal(Signal::TERM);
             if let Ok(exit) = tokio::time::timeout(grace, self.exit.wait()).await {
-                let _ = process::signal_tree(self.process, Signal::KILL);
+                self.signal(Signal::KILL);
                 return exit;
             }
         }
-        let _ = process::signal_tree(self.process, Signal::KILL);
+        self.signal(Signal::KILL);
         self.exit.wait().await
+    }
+
+    /// Sends `signal` to the worker's process group and to every other process of its tree:
+    /// found as the members of its cgroups where it has them (one file to read), else by walking
+    /// its descendants in `/proc`.
+    fn signal(&self, signal: Signal) {
+        match &self.cgroups {
+            Some(cgroups) => {
+                process::signal_group(self.process.pid, signal);
+                cgroups.signal_members(signal);
+            }
+            None => {
+                let _ = process::signal_tree(self.process, signal);
+            }
+        }
     }
 }
 

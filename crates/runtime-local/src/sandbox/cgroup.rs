@@ -593,7 +593,7 @@ fn enable_v2(parent: &Path, controllers: &[Controller]) -> io::Result<()> {
 
 /// The processes in the cgroup `dir`.
 fn members(dir: &Path) -> io::Result<Vec<u32>> {
-    match std::fs::read_to_string(dir.join("cgroup.procs")) {
+    match crate::process::read_proc(dir.join("cgroup.procs"), 256) {
         Ok(text) => Ok(text.split_whitespace().filter_map(|p| p.parse().ok()).collect()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
         Err(e) => Err(e),
@@ -896,6 +896,14 @@ impl LimitsHandle {
         usage
     }
 
+    /// Sends `signal` to every process in the groups (all hold the same processes: those of
+    /// the first are signalled).
+    pub(crate) fn signal_members(&self, signal: rustix::process::Signal) {
+        if let Some(group) = self.groups.first() {
+            signal_members(&group.dir, signal);
+        }
+    }
+
     /// Removes the cgroups, first killing (SIGKILL) any process still in them. Call it once the
     /// worker has ended; it waits up to a second for killed processes to leave. Idempotent.
     ///
@@ -938,7 +946,12 @@ fn kill_members(dir: &Path) {
     if kill.exists() && write(&kill, "1").is_ok() {
         return;
     }
-    // A v1 `cgroup.procs` lists the process of any thread inside: never the broker's own.
+    signal_members(dir, rustix::process::Signal::KILL);
+}
+
+/// Sends `signal` to every process in the cgroup `dir`. A v1 `cgroup.procs` lists the process of
+/// any thread inside: never the broker's own.
+fn signal_members(dir: &Path, signal: rustix::process::Signal) {
     let broker = std::process::id();
     for pid in members(dir)
         .unwrap_or_default()
@@ -946,7 +959,7 @@ fn kill_members(dir: &Path) {
         .filter(|&pid| pid != broker)
     {
         if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            let _ = rustix::process::kill_process(pid, signal);
         }
     }
 }
