@@ -45,9 +45,13 @@
 //! agent's first instruction, a worker killed by its memory limit ends
 //! [`WorkerExit::OutOfMemory`](session_runtime::WorkerExit), and stopping the worker kills
 //! whatever is still in them, so nothing the agent starts outlives its session however it
-//! detaches itself (a new session, a double fork, a cleared environment). Elsewhere, without
-//! limits, a worker's process group and the marker in its environment are all that tie its
-//! processes to the session.
+//! detaches itself (a new session, a double fork, a cleared environment); stopping signals the
+//! cgroup's members. Without limits a session needs only one cgroup to hold its processes
+//! together: on cgroup v1 it gets the `pids` hierarchy's alone (the cheapest to create), so a
+//! worker there that the host's OOM killer ends is reported as killed by `SIGKILL`, not as
+//! out of memory (it has no memory limit to exceed). Elsewhere, without limits, a worker's
+//! process group and the marker in its environment are all that tie its processes to the
+//! session.
 //!
 //! # Hostile state on disk
 //!

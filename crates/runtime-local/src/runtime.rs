@@ -626,17 +626,36 @@ impl LocalRuntime {
             record.last_activity = SystemTime::now();
             self.store(&record)?;
         }
-        self.stop_worker(held, &record, record.generation, self.settings.terminate_grace)
-            .await;
-        record.worker = None;
-        if record.state() != SessionState::Closed {
-            let reason = record.close_reason.unwrap_or(reason);
-            record.storage = match self.settings.retention.retained_until(reason, SystemTime::now()) {
+        // What the record will say once the worker is gone.
+        let mut closed = record.clone();
+        closed.worker = None;
+        if closed.state() != SessionState::Closed {
+            let reason = closed.close_reason.unwrap_or(reason);
+            closed.storage = match self.settings.retention.retained_until(reason, SystemTime::now()) {
                 Some(until) => StorageState::Retained { until },
                 None => StorageState::Deleted,
             };
-            record.phase = Phase::Session(SessionState::Closed);
+            closed.phase = Phase::Session(SessionState::Closed);
         }
+        let destination = match closed.storage {
+            StorageState::Retained { .. } => layout::retained_dir(&self.settings.root),
+            _ => layout::trash_dir(&self.settings.root),
+        };
+        // The bookkeeping that does not depend on the worker is done while it exits.
+        let bookkeeping = async {
+            if closed.storage == StorageState::Deleted {
+                // The record goes with the storage; its counters stay, so the next session under
+                // this id starts above every generation a stray worker of this one could carry.
+                self.remember_counters(&closed)?;
+            }
+            layout::ensure_plain_dir(&destination).map_err(|e| storage_error("preparing closed storage", e))
+        };
+        let ((), prepared) = tokio::join!(
+            self.stop_worker(held, &record, record.generation, self.settings.terminate_grace),
+            bookkeeping
+        );
+        prepared?;
+        let record = closed;
         // Retained storage keeps its record, durable before the storage moves. Storage to delete
         // takes its record along: moving the directory out of the root is the commit point (made
         // durable below), and a crash before it leaves `closing`, which reconcile finishes.
@@ -653,17 +672,7 @@ impl LocalRuntime {
                 source: None,
             });
         }
-        let destination = match record.storage {
-            StorageState::Retained { .. } => layout::retained_dir(&self.settings.root),
-            _ => layout::trash_dir(&self.settings.root),
-        };
-        if record.storage == StorageState::Deleted {
-            // The record goes with the storage; its counters stay, so the next session under this
-            // id starts above every generation a stray worker of this one could carry.
-            self.remember_counters(&record)?;
-        }
         let moved = destination.join(format!("{id}.{}", record.incarnation));
-        layout::ensure_plain_dir(&destination).map_err(|e| storage_error("preparing closed storage", e))?;
         fs::rename(&dirs.base, &moved).map_err(|e| storage_error("moving closed storage", e))?;
         held.lock = None;
         // Retained storage stays owned by the session's user, so the user is kept until the
