@@ -146,15 +146,18 @@ pub(crate) fn with_environment_entry(marker: &str) -> Vec<u32> {
 /// process, the worker and its group are long gone and nothing is signalled. If no process has
 /// that pid, members of its group that outlived it are signalled (the kernel does not reuse a pid
 /// while a process group of that id exists).
-/// Sends `signal` to the process group `pgid` (the kernel does not reuse a pid while a group of
-/// that id exists, so its members, if any, are the worker's).
-pub(crate) fn signal_group(pgid: u32, signal: rustix::process::Signal) {
-    if let Some(pgid) = i32::try_from(pgid).ok().and_then(rustix::process::Pid::from_raw) {
-        let _ = rustix::process::kill_process_group(pgid, signal);
-    }
+pub(crate) fn signal_tree(root: ProcessRef, signal: rustix::process::Signal) -> io::Result<()> {
+    signal_from(root, signal, true);
+    Ok(())
 }
 
-pub(crate) fn signal_tree(root: ProcessRef, signal: rustix::process::Signal) -> io::Result<()> {
+/// [`signal_tree`] without the walk of descendants: `root`'s process group and `root` itself,
+/// for a caller that reaches the rest of the tree another way (its cgroup's members).
+pub(crate) fn signal_group(root: ProcessRef, signal: rustix::process::Signal) {
+    signal_from(root, signal, false);
+}
+
+fn signal_from(root: ProcessRef, signal: rustix::process::Signal, descendants_too: bool) {
     let send = |pid: u32, group: bool| {
         if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
             let _ = if group {
@@ -166,7 +169,11 @@ pub(crate) fn signal_tree(root: ProcessRef, signal: rustix::process::Signal) -> 
     };
     match stat(root.pid) {
         Some(now) if now.start_time == root.start_time => {
-            let tree = descendants(root.pid);
+            let tree = if descendants_too {
+                descendants(root.pid)
+            } else {
+                Vec::new()
+            };
             send(root.pid, true);
             send(root.pid, false);
             for pid in tree {
@@ -176,7 +183,6 @@ pub(crate) fn signal_tree(root: ProcessRef, signal: rustix::process::Signal) -> 
         Some(_) => {}
         None => send(root.pid, true),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -216,7 +216,7 @@ impl LocalWorker {
     fn signal(&self, signal: Signal) {
         match &self.cgroups {
             Some(cgroups) => {
-                process::signal_group(self.process.pid, signal);
+                process::signal_group(self.process, signal);
                 cgroups.signal_members(signal);
             }
             None => {
