@@ -66,20 +66,12 @@ fn chown_tree(top: &Path, uid: u32) -> io::Result<()> {
         };
         let entry = entry?;
         let name = entry.file_name();
-        if name.to_bytes() == b"." || name.to_bytes() == b".." {
+        if is_dot(name) {
             continue;
         }
         let parent = dir.fd()?;
         rustix::fs::chownat(parent, name, owner, group, AtFlags::SYMLINK_NOFOLLOW)?;
-        let is_dir = match entry.file_type() {
-            FileType::Directory => true,
-            FileType::Unknown => {
-                let stat = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)?;
-                FileType::from_raw_mode(stat.st_mode) == FileType::Directory
-            }
-            _ => false,
-        };
-        if !is_dir {
+        if is_directory(parent, &entry)? != Some(true) {
             continue;
         }
         let child = match rustix::fs::openat(parent, name, flags, Mode::empty()) {
@@ -127,18 +119,12 @@ pub(crate) fn remove_tree(top: &Path) -> io::Result<()> {
         };
         let entry = entry?;
         let name = entry.file_name();
-        if name.to_bytes() == b"." || name.to_bytes() == b".." {
+        if is_dot(name) {
             continue;
         }
         let parent = dir.fd()?;
-        let is_dir = match entry.file_type() {
-            FileType::Directory => true,
-            FileType::Unknown => match rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(stat) => FileType::from_raw_mode(stat.st_mode) == FileType::Directory,
-                Err(Errno::NOENT) => continue,
-                Err(e) => return Err(e.into()),
-            },
-            _ => false,
+        let Some(is_dir) = is_directory(parent, &entry)? else {
+            continue;
         };
         if !is_dir {
             gone(rustix::fs::unlinkat(parent, name, AtFlags::empty()))?;
@@ -163,6 +149,29 @@ pub(crate) fn remove_tree(top: &Path) -> io::Result<()> {
         stack.push((Dir::new(child)?, Some(name)));
     }
     std::fs::remove_dir(top)
+}
+
+/// Whether a directory entry is `.` or `..`.
+fn is_dot(name: &std::ffi::CStr) -> bool {
+    matches!(name.to_bytes(), b"." | b"..")
+}
+
+/// Whether `entry` of the directory `parent` is itself a directory (a link to one is not), as
+/// its type says or, where the file system does not say, as `lstat` finds it; `None` if it is
+/// gone meanwhile.
+fn is_directory(
+    parent: rustix::fd::BorrowedFd<'_>,
+    entry: &rustix::fs::DirEntry,
+) -> io::Result<Option<bool>> {
+    match entry.file_type() {
+        FileType::Directory => Ok(Some(true)),
+        FileType::Unknown => match rustix::fs::statat(parent, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) => Ok(Some(FileType::from_raw_mode(stat.st_mode) == FileType::Directory)),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        },
+        _ => Ok(Some(false)),
+    }
 }
 
 /// The generated identity files of a bubblewrap sandbox.
