@@ -33,6 +33,9 @@ pub struct Term {
 pub struct LeaderElection {
     leases: Api<Lease>,
     name: String,
+    /// The installation's label form: the Lease carries it, so the admission policy can tell
+    /// this installation's Lease from another's.
+    installation: String,
     holder: String,
     duration: Duration,
     /// The Lease version last seen and when this process first saw it.
@@ -60,6 +63,7 @@ impl LeaderElection {
         LeaderElection {
             leases: Api::namespaced(client, namespace),
             name: names::leader(installation),
+            installation: names::installation_label(installation),
             holder: holder.into(),
             duration: Self::DEFAULT_DURATION,
             observed: Mutex::new(None),
@@ -70,6 +74,14 @@ impl LeaderElection {
     pub fn with_duration(mut self, duration: Duration) -> Self {
         self.duration = duration.max(Duration::from_secs(1));
         self
+    }
+
+    fn labels(&self) -> std::collections::BTreeMap<String, String> {
+        [
+            (names::MANAGED_BY.to_owned(), names::MANAGER.to_owned()),
+            (names::INSTALLATION.to_owned(), self.installation.clone()),
+        ]
+        .into()
     }
 
     /// The name of the leader Lease.
@@ -107,7 +119,7 @@ impl LeaderElection {
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.name.clone()),
-                    labels: Some([(names::MANAGED_BY.to_owned(), names::MANAGER.to_owned())].into()),
+                    labels: Some(self.labels()),
                     ..ObjectMeta::default()
                 },
                 spec: Some(LeaseSpec {
@@ -133,6 +145,11 @@ impl LeaderElection {
         let ours = spec.holder_identity.as_deref() == Some(self.holder.as_str());
         let free = spec.holder_identity.as_deref().is_none_or(str::is_empty);
         let mut next = current.clone();
+        // A Lease written before it carried the installation gets it with this write.
+        next.metadata
+            .labels
+            .get_or_insert_with(Default::default)
+            .extend(self.labels());
         let next_spec = next.spec.get_or_insert_with(LeaseSpec::default);
         let epoch = if ours {
             transitions

@@ -22,6 +22,7 @@
 //! ```
 
 mod api;
+mod clone_source;
 pub mod controller;
 pub mod leader;
 mod loss;
@@ -37,6 +38,7 @@ mod seed;
 mod start;
 #[cfg(feature = "testing")]
 mod testing;
+mod workload_identity;
 
 pub use controller::{Controller, ControllerEvent};
 /// The kube-rs version this crate speaks, for building a [`kube::Client`] to hand it.

@@ -48,6 +48,11 @@ pub(crate) fn storage(id: &SessionId, incarnation: u64) -> String {
     format!("oab-d-{id}-{incarnation}")
 }
 
+/// The ServiceAccount of one incarnation of the session: its workers' and seed Job's identity.
+pub(crate) fn service_account(id: &SessionId, incarnation: u64) -> String {
+    format!("oab-i-{id}-{incarnation}")
+}
+
 /// The installation's leader Lease: `oab-leader-<installation>` when the installation is a DNS
 /// label, else `oab-leader-h-<hash>`.
 pub(crate) fn leader(installation: &str) -> String {

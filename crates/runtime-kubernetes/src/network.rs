@@ -2,7 +2,8 @@
 //!
 //! `deploy/kubernetes/networkpolicy.yaml` denies workers every private range; NetworkPolicies add
 //! up, so a profile's `egress` CIDRs become one more policy, `oab-egress-<profile>`, that selects
-//! the workers of that profile (label [`names::PROFILE`]) and allows exactly those CIDRs. The
+//! the workers and seed Jobs of that profile (label [`names::PROFILE`]) and allows exactly those
+//! CIDRs (a seed may clone from a mirror the workers also use). The
 //! broker writes it with server-side apply before a worker of a new profile version starts; its
 //! content comes only from the administrator's profile. An empty `egress` applies a policy with
 //! no rule, which allows nothing: removing an allowance from the profile removes it from the
@@ -11,7 +12,7 @@
 use k8s_openapi::api::networking::v1::{
     IPBlock, NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyPeer, NetworkPolicySpec,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement, ObjectMeta};
 
 use crate::names;
 use crate::profile::WorkerProfile;
@@ -26,9 +27,13 @@ pub(crate) fn egress_policy(profile: &WorkerProfile, installation: &str) -> Netw
             names::INSTALLATION.to_owned(),
             names::installation_label(installation),
         ),
-        (names::ROLE.to_owned(), "worker".to_owned()),
         (names::PROFILE.to_owned(), names::profile_label(profile.name())),
     ];
+    let roles = LabelSelectorRequirement {
+        key: names::ROLE.to_owned(),
+        operator: "In".to_owned(),
+        values: Some(vec!["worker".to_owned(), "seed".to_owned()]),
+    };
     let peers: Vec<NetworkPolicyPeer> = profile
         .egress
         .iter()
@@ -59,7 +64,7 @@ pub(crate) fn egress_policy(profile: &WorkerProfile, installation: &str) -> Netw
         spec: Some(NetworkPolicySpec {
             pod_selector: Some(LabelSelector {
                 match_labels: Some(selector.into()),
-                match_expressions: None,
+                match_expressions: Some(vec![roles]),
             }),
             policy_types: Some(vec!["Egress".to_owned()]),
             egress: Some(if peers.is_empty() {
@@ -85,13 +90,23 @@ mod tests {
         let profile = WorkerProfile::from_toml("coder", "7", document).expect("a profile");
         let policy = egress_policy(&profile, "prod");
         let spec = policy.spec.as_ref().expect("spec");
-        let selector = spec
-            .pod_selector
-            .as_ref()
-            .and_then(|s| s.match_labels.clone())
-            .expect("labels");
+        let pod_selector = spec.pod_selector.as_ref().expect("a selector");
+        let selector = pod_selector.match_labels.clone().expect("labels");
         assert_eq!(selector.get(names::PROFILE).map(String::as_str), Some("coder"));
-        assert_eq!(selector.get(names::ROLE).map(String::as_str), Some("worker"));
+        assert_eq!(
+            selector.get(names::INSTALLATION).map(String::as_str),
+            Some("prod")
+        );
+        let roles = pod_selector
+            .match_expressions
+            .iter()
+            .flatten()
+            .find(|requirement| requirement.key == names::ROLE)
+            .expect("a role requirement");
+        assert_eq!(
+            (roles.operator.as_str(), roles.values.clone()),
+            ("In", Some(vec!["worker".to_owned(), "seed".to_owned()]))
+        );
         let cidrs: Vec<String> = spec
             .egress
             .iter()

@@ -39,6 +39,8 @@ pub(crate) struct WorkerSpec<'a> {
     pub(crate) id: &'a SessionId,
     pub(crate) installation: &'a str,
     pub(crate) generation: Generation,
+    /// The session's incarnation, whose ServiceAccount the worker runs as.
+    pub(crate) incarnation: u64,
     pub(crate) token_hash: &'a TokenHash,
     /// The anchor Lease that owns the Pod (its UID: ownership is by UID, not by name).
     pub(crate) anchor_uid: &'a str,
@@ -172,28 +174,16 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     ];
     command.extend(profile.agent.iter().cloned());
 
-    let security = restricted_container();
     // The kubelet would make a missing subPath as root, which the agent could not write: the
     // relay, as the worker user, makes both directories first.
-    let prepare = Container {
-        name: "prepare".to_owned(),
-        image: Some(profile.image.clone()),
-        image_pull_policy: Some(profile.image_pull_policy.as_str().to_owned()),
-        command: Some(vec![
-            RELAY_BINARY.to_owned(),
-            "prepare".to_owned(),
+    let prepare = prepare_container(
+        profile,
+        vec![
             format!("{PREPARE_MOUNT}/{workspace_dir}"),
             format!("{PREPARE_MOUNT}/{home_dir}"),
-        ]),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "session".to_owned(),
-            mount_path: PREPARE_MOUNT.to_owned(),
-            ..VolumeMount::default()
-        }]),
-        security_context: Some(security.clone()),
-        resources: Some(resources(profile)),
-        ..Container::default()
-    };
+        ],
+    );
+    let security = restricted_container();
 
     let container = Container {
         name: CONTAINER.to_owned(),
@@ -234,7 +224,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             containers: vec![container],
             volumes: Some(volumes),
             restart_policy: Some("Never".to_owned()),
-            service_account_name: Some("oab-worker".to_owned()),
+            service_account_name: Some(names::service_account(spec.id, spec.incarnation)),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             share_process_namespace: Some(false),
@@ -249,6 +239,27 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             ..PodSpec::default()
         }),
         status: None,
+    }
+}
+
+/// The init container that makes a session's directories on its volume as the worker user,
+/// seeing the whole volume: the relay's `prepare`, with paths the runtime computed.
+pub(crate) fn prepare_container(profile: &WorkerProfile, dirs: Vec<String>) -> Container {
+    let mut command = vec![RELAY_BINARY.to_owned(), "prepare".to_owned()];
+    command.extend(dirs);
+    Container {
+        name: "prepare".to_owned(),
+        image: Some(profile.image.clone()),
+        image_pull_policy: Some(profile.image_pull_policy.as_str().to_owned()),
+        command: Some(command),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "session".to_owned(),
+            mount_path: PREPARE_MOUNT.to_owned(),
+            ..VolumeMount::default()
+        }]),
+        security_context: Some(restricted_container()),
+        resources: Some(resources(profile)),
+        ..Container::default()
     }
 }
 
@@ -357,6 +368,7 @@ mod tests {
             id: &id,
             installation: "i",
             generation: 3,
+            incarnation: 1,
             token_hash: &hash,
             anchor_uid: "uid",
             claim: Some("claim"),
@@ -410,6 +422,7 @@ mod tests {
                 id: &id,
                 installation: "i",
                 generation: 4,
+                incarnation: 1,
                 token_hash: &hash,
                 anchor_uid: "uid",
                 claim: Some("claim"),
@@ -430,6 +443,11 @@ mod tests {
         let (id, pod) = pod_for("");
         let spec = pod.spec.as_ref().expect("spec");
         assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some(format!("oab-i-{id}-1").as_str()),
+            "the session incarnation's own identity, shared with no other session"
+        );
         assert_eq!(spec.enable_service_links, Some(false));
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         for container in spec

@@ -17,6 +17,7 @@
 //! home_path = "/home/agent"                   # default "/home/agent"
 //! runtime_class = "gvisor"                    # default: the cluster's default runtime
 //! egress = ["10.0.0.0/8", "fd00::/8"]         # default: none
+//! seed_hosts = ["github.com"]                 # where clone seeds may come from; default: none
 //! idle_ttl = "30m"                            # default: the broker's idle_ttl
 //! max_lifetime = "8h"                         # default: no limit
 //! termination_grace = "10s"                   # default "10s"
@@ -67,6 +68,8 @@ use serde::Deserialize;
 use session_runtime::config::{self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration};
 use session_runtime::{Error, Retention, RetentionPolicy};
 
+pub use crate::clone_source::SeedHost;
+
 /// The ConfigMap data key that holds the profile's TOML document.
 pub const PROFILE_KEY: &str = "profile.toml";
 
@@ -114,6 +117,10 @@ pub struct WorkerProfile {
     /// CIDRs workers may open connections to, besides what the NetworkPolicy always allows.
     /// Default empty: no egress.
     pub egress: Vec<String>,
+    /// The origins a [`WorkspaceSeed::GitClone`](session_runtime::WorkspaceSeed::GitClone) may
+    /// clone from (see [`SeedHost::parse`]). Default empty: clone seeds are refused. A URL is
+    /// checked against it at create; local paths, `file://` and transport helpers never pass.
+    pub seed_hosts: Vec<SeedHost>,
     /// How long a worker may sit idle before it is suspended. `None` (key absent): the broker's
     /// `[session_runtime] idle_ttl` applies.
     pub idle_ttl: Option<Duration>,
@@ -870,6 +877,7 @@ struct Document {
     env: Vec<SecretEnv>,
     runtime_class: Option<String>,
     egress: Vec<String>,
+    seed_hosts: Vec<SeedHost>,
     #[serde(with = "serde_duration::option")]
     idle_ttl: Option<Duration>,
     #[serde(with = "serde_duration::option")]
@@ -895,6 +903,7 @@ impl Default for Document {
             env: Vec::new(),
             runtime_class: None,
             egress: Vec::new(),
+            seed_hosts: Vec::new(),
             idle_ttl: None,
             max_lifetime: None,
             retention: None,
@@ -922,6 +931,7 @@ impl Document {
             env: self.env,
             runtime_class: self.runtime_class,
             egress: self.egress,
+            seed_hosts: self.seed_hosts,
             idle_ttl: self.idle_ttl,
             max_lifetime: self.max_lifetime,
             retention: self.retention,
@@ -1130,6 +1140,7 @@ mod tests {
             home_path = "/home/someone"
             runtime_class = "gvisor"
             egress = ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8", "0.0.0.0/0"]
+            seed_hosts = ["github.com", "git://10.0.0.7:9419"]
             idle_ttl = "45m"
             max_lifetime = "8h"
             termination_grace = "30s"
@@ -1220,6 +1231,10 @@ mod tests {
                 "192.168.1.7/32".into(),
                 "fd00::/8".into(),
                 "0.0.0.0/0".into(),
+            ],
+            seed_hosts: vec![
+                SeedHost::parse("github.com").expect("valid"),
+                SeedHost::parse("git://10.0.0.7:9419").expect("valid"),
             ],
             idle_ttl: Some(Duration::from_secs(45 * 60)),
             max_lifetime: Some(Duration::from_secs(8 * 3600)),
@@ -1518,6 +1533,22 @@ mod tests {
             "profile/isolated-worker.env.key",
             "Secret key",
         );
+    }
+
+    #[test]
+    fn refuses_seed_hosts_that_name_more_than_an_origin() {
+        for bad in [
+            "file:///srv",
+            "ext::sh",
+            "github.com/org/repo",
+            "https://u@github.com",
+        ] {
+            assert_refused(
+                &format!("seed_hosts = [\"{bad}\"]\n"),
+                "profile/isolated-worker.seed_hosts",
+                bad,
+            );
+        }
     }
 
     #[test]

@@ -170,6 +170,10 @@ pub(crate) struct SessionRecord {
     /// `prepare` init container. Always `false` for ephemeral storage, which each Pod makes anew.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) prepared: bool,
+    /// Whether the incarnation's own ServiceAccount was made (see `workload_identity.rs`);
+    /// `false` for a session provisioned before sessions had one, whose next worker makes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) service_account: bool,
 }
 
 pub(crate) fn now() -> u64 {
@@ -210,6 +214,7 @@ impl SessionRecord {
             seed: None,
             lent_to: None,
             prepared: false,
+            service_account: false,
         }
     }
 

@@ -99,6 +99,7 @@ struct Apis {
     pods: Api<Pod>,
     claims: Api<PersistentVolumeClaim>,
     profiles: Api<ConfigMap>,
+    service_accounts: Api<k8s_openapi::api::core::v1::ServiceAccount>,
 }
 
 impl Apis {
@@ -109,6 +110,7 @@ impl Apis {
             policies: Api::namespaced(client.clone(), namespace),
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
+            service_accounts: Api::namespaced(client.clone(), namespace),
             profiles: Api::namespaced(client, namespace),
         }
     }
@@ -563,6 +565,10 @@ impl KubernetesRuntime {
                 }
             }
         };
+        // The session's own identity, before anything runs as it.
+        self.ensure_service_account(id, record.incarnation, &lease.uid().unwrap_or_default())
+            .await?;
+        record.service_account = true;
         if record.seed.is_some() || profile.home_template.is_some() {
             self.seed(id, &lease, &record, &profile).await?;
             record.seed = None;
@@ -706,12 +712,18 @@ impl KubernetesRuntime {
         let generation = record.generation;
         let anchor_uid = anchor.uid().unwrap_or_default();
         let token_hash = self.key.token(id.as_str(), generation).hash();
+        if !record.service_account {
+            // A session provisioned before sessions had identities of their own.
+            self.ensure_service_account(id, record.incarnation, &anchor_uid)
+                .await?;
+        }
         let pod = worker_pod(
             profile,
             &WorkerSpec {
                 id,
                 installation: &self.installation,
                 generation,
+                incarnation: record.incarnation,
                 token_hash: &token_hash,
                 anchor_uid: &anchor_uid,
                 claim: record.volume.claim(),
@@ -1145,6 +1157,7 @@ impl KubernetesRuntime {
         self.retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
         self.stop_worker(id, record.generation, Some(KILL_GRACE)).await?;
+        self.delete_service_account(id, record.incarnation).await?;
         if close.retention == Retention::Delete {
             if let Volume::Owned { claim, uid } = &record.volume {
                 self.delete_claim(id, claim, uid.as_deref()).await?;
@@ -1365,12 +1378,25 @@ impl SessionRuntime for KubernetesRuntime {
         let seed = match &options.workspace_seed {
             None => None,
             Some(WorkspaceSeed::GitClone { url, reference }) => {
-                if url.is_empty() || url.starts_with('-') || url.chars().any(char::is_control) {
+                let profile = self.profile().await?;
+                // Before anything exists: a URL naming a path, a helper or a host the profile does
+                // not list never reaches a Job.
+                crate::clone_source::check_clone_url(url, &profile.seed_hosts).map_err(|reason| {
+                    Error::InvalidArgument {
+                        reason: format!("the workspace seed {reason}"),
+                    }
+                })?;
+                if reference
+                    .as_deref()
+                    .is_some_and(|r| r.is_empty() || r.chars().any(char::is_control))
+                {
                     return Err(Error::InvalidArgument {
-                        reason: format!("the workspace seed {url:?} is not a repository URL git can clone"),
+                        reason: format!(
+                            "the workspace seed's reference {reference:?} is not a branch or tag name"
+                        ),
                     });
                 }
-                if matches!(self.profile().await?.storage, Storage::Ephemeral { .. }) {
+                if matches!(profile.storage, Storage::Ephemeral { .. }) {
                     return Err(Error::Unsupported {
                         runtime: RUNTIME,
                         operation: "a workspace seed with the profile's ephemeral storage (the seed would not outlive its Job)",
@@ -1494,6 +1520,10 @@ impl KubernetesRuntime {
 
     pub(crate) async fn claims(&self) -> Result<&Api<PersistentVolumeClaim>> {
         Ok(&self.apis().await?.claims)
+    }
+
+    pub(crate) async fn service_accounts(&self) -> Result<&Api<k8s_openapi::api::core::v1::ServiceAccount>> {
+        Ok(&self.apis().await?.service_accounts)
     }
 
     pub(crate) async fn jobs(&self) -> Result<&Api<k8s_openapi::api::batch::v1::Job>> {

@@ -26,12 +26,13 @@ use kube::ResourceExt;
 use session_runtime::{Error, Result, SessionState};
 
 use crate::api::{api_error, is_status};
+use crate::clone_source::{check_clone_url, CloneUrl};
 use crate::names;
 use crate::pod::{
-    dirs_on_volume, owned_by_anchor, plain_env, restricted_container, restricted_pod, session_dirs,
+    dirs_on_volume, owned_by_anchor, plain_env, prepare_container, restricted_container, restricted_pod,
     PREPARE_MOUNT,
 };
-use crate::profile::{HomeTemplate, WorkerProfile};
+use crate::profile::{HomeTemplate, Storage, WorkerProfile};
 use crate::record::{now, Loan, Phase, SeedRecord, SessionRecord, Volume as RecordVolume};
 use crate::{KubernetesRuntime, RUNTIME};
 
@@ -68,9 +69,9 @@ fi
 if [ -n "${OAB_SEED_GIT_URL:-}" ]; then
   rm -rf "$work"
   if [ -n "${OAB_SEED_GIT_REF:-}" ]; then
-    git clone --quiet --branch "$OAB_SEED_GIT_REF" -- "$OAB_SEED_GIT_URL" "$work"
+    git -c http.followRedirects=false clone --quiet --branch "$OAB_SEED_GIT_REF" -- "$OAB_SEED_GIT_URL" "$work"
   else
-    git clone --quiet -- "$OAB_SEED_GIT_URL" "$work"
+    git -c http.followRedirects=false clone --quiet -- "$OAB_SEED_GIT_URL" "$work"
   fi
 fi
 mkdir -p "$work"
@@ -80,9 +81,9 @@ mkdir -p "$work"
 #[derive(Debug)]
 pub(crate) struct CopySource {
     pub(crate) claim: String,
-    /// Its workspace and HOME directories, relative to its volume.
-    pub(crate) workspace_dir: String,
-    pub(crate) home_dir: String,
+    /// The source's own directory on its volume when the volume is borrowed (shared by
+    /// sessions), so the Job sees no other session's; `None` when the volume is the source's.
+    pub(crate) sub_path: Option<String>,
 }
 
 /// What one seed Job is made of besides the profile.
@@ -93,17 +94,32 @@ pub(crate) struct SeedSpec<'a> {
     pub(crate) incarnation: u64,
     pub(crate) anchor_uid: &'a str,
     pub(crate) claim: &'a str,
-    pub(crate) seed: Option<&'a SeedRecord>,
+    /// The checked clone URL, if the seed clones.
+    pub(crate) clone: Option<&'a CloneUrl>,
+    /// The git reference to check out, if the seed clones one.
+    pub(crate) clone_reference: Option<&'a str>,
     pub(crate) copy: Option<&'a CopySource>,
     /// The Job's deadline, in seconds.
     pub(crate) deadline: i64,
 }
 
+/// The seed Job of a session.
+///
+/// Its container sees the session's own directories and nothing else of a volume: on a
+/// borrowed volume (every session's directories side by side) it mounts the session's
+/// directory alone, and a copied source's alone, read-only. The kubelet would make a missing
+/// directory of a `subPath` as root, so on a borrowed volume the relay's `prepare` (a fixed
+/// program with fixed arguments, never the caller's input) makes them first, as the worker user.
 pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
     let name = names::seed(spec.id, spec.incarnation);
     let mut metadata = names::meta(name, spec.installation, spec.id, "seed");
+    if let Some(labels) = metadata.labels.as_mut() {
+        // What the profile's egress policy selects (see network.rs).
+        labels.insert(names::PROFILE.to_owned(), names::profile_label(profile.name()));
+    }
     metadata.owner_references = Some(vec![owned_by_anchor(spec.id, spec.anchor_uid)]);
-    let (workspace_dir, home_dir) = session_dirs(profile, spec.id);
+    let borrowed = matches!(profile.storage, Storage::Borrowed { .. });
+    let own_dir = borrowed.then(|| spec.id.to_string());
 
     let mut volumes = vec![
         Volume {
@@ -123,13 +139,11 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
             ..Volume::default()
         },
     ];
-    // The whole volume, as for the worker's init container: a subPath the kubelet has to make
-    // would be root's, and the session's directories may not exist yet. The script touches only
-    // the session's own.
     let mut mounts = vec![
         VolumeMount {
             name: "session".to_owned(),
             mount_path: PREPARE_MOUNT.to_owned(),
+            sub_path: own_dir.clone(),
             ..VolumeMount::default()
         },
         VolumeMount {
@@ -138,6 +152,13 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
             ..VolumeMount::default()
         },
     ];
+    // Relative to a session's own directory (or its own volume): see pod::dirs_on_volume.
+    let (workspace_dir, home_dir) = dirs_on_volume(false, spec.id);
+    // On a borrowed volume, the directories `prepare` makes, relative to the whole volume.
+    let mut to_prepare = own_dir
+        .iter()
+        .flat_map(|dir| [format!("{dir}/{workspace_dir}"), format!("{dir}/{home_dir}")])
+        .collect::<Vec<_>>();
     if let Some(template) = &profile.home_template {
         let mut volume = Volume {
             name: "template".to_owned(),
@@ -172,21 +193,19 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
         plain_env("TMPDIR", "/tmp".to_owned()),
         plain_env("GIT_TERMINAL_PROMPT", "0".to_owned()),
     ];
-    if let Some(SeedRecord::GitClone {
-        git_url,
-        git_reference,
-    }) = spec.seed
-    {
-        env.push(plain_env("OAB_SEED_GIT_URL", git_url.clone()));
-        if let Some(reference) = git_reference {
-            env.push(plain_env("OAB_SEED_GIT_REF", reference.clone()));
+    if let Some(clone) = spec.clone {
+        env.push(plain_env("OAB_SEED_GIT_URL", clone.url.clone()));
+        // git itself refuses any other transport (a submodule, a rewritten URL).
+        env.push(plain_env("GIT_ALLOW_PROTOCOL", clone.scheme.to_owned()));
+        if let Some(reference) = spec.clone_reference {
+            env.push(plain_env("OAB_SEED_GIT_REF", reference.to_owned()));
         }
     }
     if let Some(source) = spec.copy {
-        // A borrowed volume holds both sessions: the source is read where the Job already
-        // mounts it. Otherwise its claim is mounted read-only.
-        let root = if source.claim == spec.claim {
-            PREPARE_MOUNT
+        // The source's own directory, read-only: from the session's volume when both sessions
+        // borrow it, else from the source's claim.
+        let volume = if source.claim == spec.claim {
+            "session".to_owned()
         } else {
             volumes.push(Volume {
                 name: "source".to_owned(),
@@ -196,23 +215,40 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
                 }),
                 ..Volume::default()
             });
-            mounts.push(VolumeMount {
-                name: "source".to_owned(),
-                mount_path: SOURCE_MOUNT.to_owned(),
-                read_only: Some(true),
-                ..VolumeMount::default()
-            });
-            SOURCE_MOUNT
+            "source".to_owned()
         };
+        if let Some(dir) = &source.sub_path {
+            if source.claim == spec.claim {
+                // Its first worker would make them; a subPath the kubelet made would be root's.
+                to_prepare.push(format!("{dir}/{workspace_dir}"));
+                to_prepare.push(format!("{dir}/{home_dir}"));
+            }
+        }
+        mounts.push(VolumeMount {
+            name: volume,
+            mount_path: SOURCE_MOUNT.to_owned(),
+            sub_path: source.sub_path.clone(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
         env.push(plain_env(
             "OAB_SEED_COPY_WORKSPACE",
-            format!("{root}/{}", source.workspace_dir),
+            format!("{SOURCE_MOUNT}/{workspace_dir}"),
         ));
         env.push(plain_env(
             "OAB_SEED_COPY_HOME",
-            format!("{root}/{}", source.home_dir),
+            format!("{SOURCE_MOUNT}/{home_dir}"),
         ));
     }
+    let prepare = (!to_prepare.is_empty()).then(|| {
+        prepare_container(
+            profile,
+            to_prepare
+                .iter()
+                .map(|dir| format!("{PREPARE_MOUNT}/{dir}"))
+                .collect(),
+        )
+    });
     let container = Container {
         name: "seed".to_owned(),
         image: Some(profile.image.clone()),
@@ -248,10 +284,11 @@ pub(crate) fn seed_job(profile: &WorkerProfile, spec: &SeedSpec<'_>) -> Job {
                     ..ObjectMeta::default()
                 }),
                 spec: Some(PodSpec {
+                    init_containers: prepare.map(|prepare| vec![prepare]),
                     containers: vec![container],
                     volumes: Some(volumes),
                     restart_policy: Some("Never".to_owned()),
-                    service_account_name: Some("oab-worker".to_owned()),
+                    service_account_name: Some(names::service_account(spec.id, spec.incarnation)),
                     automount_service_account_token: Some(false),
                     enable_service_links: Some(false),
                     runtime_class_name: profile.runtime_class.clone(),
@@ -397,12 +434,10 @@ impl KubernetesRuntime {
             });
         }
         let claim = record.volume.claim().unwrap_or_default().to_owned();
-        let (workspace_dir, home_dir) =
-            dirs_on_volume(matches!(record.volume, RecordVolume::Borrowed { .. }), source);
+        let borrowed = matches!(record.volume, RecordVolume::Borrowed { .. });
         Ok(CopySource {
             claim,
-            workspace_dir,
-            home_dir,
+            sub_path: borrowed.then(|| source.to_string()),
         })
     }
 
@@ -441,13 +476,30 @@ impl KubernetesRuntime {
         let jobs = self.jobs().await?;
         let name = names::seed(id, record.incarnation);
         let timeout = self.start_timeout();
+        // Checked again against the profile as it is now: it may have been narrowed since the
+        // create recorded the URL.
+        let (clone, clone_reference) = match &record.seed {
+            Some(SeedRecord::GitClone {
+                git_url,
+                git_reference,
+            }) => {
+                let clone = check_clone_url(git_url, &profile.seed_hosts).map_err(|reason| {
+                    Error::InvalidArgument {
+                        reason: format!("session {id}: the workspace seed {reason}"),
+                    }
+                })?;
+                (Some(clone), git_reference.as_deref())
+            }
+            _ => (None, None),
+        };
         let spec = SeedSpec {
             id,
             installation: self.installation(),
             incarnation: record.incarnation,
             anchor_uid: &anchor.uid().unwrap_or_default(),
             claim,
-            seed: record.seed.as_ref(),
+            clone: clone.as_ref(),
+            clone_reference,
             copy,
             deadline: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX).max(1),
         };
@@ -683,19 +735,46 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_copy_job_mounts_another_volume_read_only_and_a_shared_one_once() {
-        let profile = WorkerProfile::from_toml(
+    fn profile(extra: &str) -> WorkerProfile {
+        WorkerProfile::from_toml(
             "worker",
             "1",
-            "image = \"openab.dev/worker:test\"\nagent = [\"/usr/local/bin/acp-test-agent\"]\n",
+            &format!(
+                "image = \"openab.dev/worker:test\"\nagent = [\"/usr/local/bin/acp-test-agent\"]\n{extra}"
+            ),
         )
-        .expect("profile");
+        .expect("profile")
+    }
+
+    fn pod_spec(job: Job) -> PodSpec {
+        job.spec.and_then(|spec| spec.template.spec).expect("pod spec")
+    }
+
+    fn env(container: &Container, name: &str) -> Option<String> {
+        container
+            .env
+            .iter()
+            .flatten()
+            .find(|var| var.name == name)
+            .and_then(|var| var.value.clone())
+    }
+
+    fn mount<'a>(container: &'a Container, path: &str) -> &'a VolumeMount {
+        container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|mount| mount.mount_path == path)
+            .unwrap_or_else(|| panic!("a mount at {path}"))
+    }
+
+    #[test]
+    fn a_copy_job_mounts_another_volume_read_only() {
+        let profile = profile("");
         let (target, anchor_uid) = (session("fork"), "anchor-uid".to_owned());
         let copy = CopySource {
             claim: "oab-d-source-1".to_owned(),
-            workspace_dir: "workspace".to_owned(),
-            home_dir: "home".to_owned(),
+            sub_path: None,
         };
         let spec = SeedSpec {
             id: &target,
@@ -703,12 +782,12 @@ mod tests {
             incarnation: 1,
             anchor_uid: &anchor_uid,
             claim: "oab-d-fork-1",
-            seed: None,
+            clone: None,
+            clone_reference: None,
             copy: Some(&copy),
             deadline: 60,
         };
-        let job = seed_job(&profile, &spec);
-        let pod = job.spec.and_then(|spec| spec.template.spec).expect("pod spec");
+        let pod = pod_spec(seed_job(&profile, &spec));
         let source = pod
             .volumes
             .iter()
@@ -719,57 +798,119 @@ mod tests {
         assert_eq!(source.claim_name, "oab-d-source-1");
         assert_eq!(source.read_only, Some(true));
         let container = &pod.containers[0];
-        let mount = container
+        let source = mount(container, SOURCE_MOUNT);
+        assert_eq!((source.read_only, source.sub_path.as_deref()), (Some(true), None));
+        assert_eq!(
+            mount(container, PREPARE_MOUNT).sub_path,
+            None,
+            "the session's own volume, whole"
+        );
+        assert_eq!(
+            env(container, "OAB_SEED_COPY_WORKSPACE").as_deref(),
+            Some("/source/workspace")
+        );
+        assert_eq!(
+            env(container, "OAB_SEED_COPY_HOME").as_deref(),
+            Some("/source/home")
+        );
+        assert!(
+            pod.init_containers.is_none(),
+            "a volume of its own needs no prepare"
+        );
+    }
+
+    #[test]
+    fn on_a_borrowed_volume_the_seed_sees_only_its_own_and_the_sources_directories() {
+        let profile = profile("[storage]\nkind = \"borrowed\"\nclaim = \"shared-work\"\n");
+        let (target, source_id, anchor_uid) = (session("fork"), session("source"), "uid".to_owned());
+        let copy = CopySource {
+            claim: "shared-work".to_owned(),
+            sub_path: Some(source_id.to_string()),
+        };
+        let pod = pod_spec(seed_job(
+            &profile,
+            &SeedSpec {
+                id: &target,
+                installation: "prod",
+                incarnation: 1,
+                anchor_uid: &anchor_uid,
+                claim: "shared-work",
+                clone: None,
+                clone_reference: None,
+                copy: Some(&copy),
+                deadline: 60,
+            },
+        ));
+        let container = &pod.containers[0];
+        for mount in container
             .volume_mounts
             .iter()
             .flatten()
-            .find(|mount| mount.name == "source")
-            .expect("the source's mount");
+            .filter(|m| m.name == "session")
+        {
+            assert!(
+                mount.sub_path.is_some(),
+                "the seed container never mounts the whole shared volume: {mount:?}"
+            );
+        }
         assert_eq!(
-            (mount.mount_path.as_str(), mount.read_only),
-            (SOURCE_MOUNT, Some(true))
+            mount(container, PREPARE_MOUNT).sub_path.as_deref(),
+            Some(target.as_str())
         );
-        let env = |name: &str| {
-            container
-                .env
-                .iter()
-                .flatten()
-                .find(|var| var.name == name)
-                .and_then(|var| var.value.clone())
-        };
+        let source = mount(container, SOURCE_MOUNT);
         assert_eq!(
-            env("OAB_SEED_COPY_WORKSPACE").as_deref(),
-            Some("/source/workspace")
+            (source.name.as_str(), source.sub_path.as_deref(), source.read_only),
+            ("session", Some(source_id.as_str()), Some(true))
         );
-        assert_eq!(env("OAB_SEED_COPY_HOME").as_deref(), Some("/source/home"));
+        assert_eq!(
+            container.command.as_ref().map(|argv| argv[4..].to_vec()),
+            Some(vec!["/session/home".to_owned(), "/session/workspace".to_owned()]),
+            "the script's HOME and workspace, inside the session's own directory"
+        );
+        // Only the relay's prepare, with paths the runtime computed, sees the whole volume.
+        let prepare = pod
+            .init_containers
+            .as_ref()
+            .and_then(|c| c.first())
+            .expect("prepare");
+        assert_eq!(
+            prepare.command.as_ref().map(|argv| argv[1..].to_vec()),
+            Some(vec![
+                "prepare".to_owned(),
+                format!("/session/{target}/workspace"),
+                format!("/session/{target}/home"),
+                format!("/session/{source_id}/workspace"),
+                format!("/session/{source_id}/home"),
+            ])
+        );
+        assert!(prepare.env.is_none(), "no caller input reaches prepare");
+    }
 
-        let shared = CopySource {
-            claim: "oab-d-fork-1".to_owned(),
-            workspace_dir: format!("{}/workspace", session("source")),
-            home_dir: format!("{}/home", session("source")),
-        };
-        let job = seed_job(
+    #[test]
+    fn a_clone_names_its_transport_to_git() {
+        let profile = profile("seed_hosts = [\"git://10.244.0.9\"]\n");
+        let target = session("clone");
+        let clone = check_clone_url("git://10.244.0.9/repo", &profile.seed_hosts).expect("allowed");
+        let pod = pod_spec(seed_job(
             &profile,
             &SeedSpec {
-                copy: Some(&shared),
-                ..spec
+                id: &target,
+                installation: "prod",
+                incarnation: 1,
+                anchor_uid: "uid",
+                claim: "oab-d-clone-1",
+                clone: Some(&clone),
+                clone_reference: Some("topic"),
+                copy: None,
+                deadline: 60,
             },
-        );
-        let pod = job.spec.and_then(|spec| spec.template.spec).expect("pod spec");
-        assert!(
-            pod.volumes.iter().flatten().all(|volume| volume.name != "source"),
-            "a borrowed volume holds both sessions: mounted once"
-        );
-        let workspace = pod.containers[0]
-            .env
-            .iter()
-            .flatten()
-            .find(|var| var.name == "OAB_SEED_COPY_WORKSPACE")
-            .and_then(|var| var.value.clone())
-            .expect("the copied workspace");
+        ));
+        let container = &pod.containers[0];
+        assert_eq!(env(container, "GIT_ALLOW_PROTOCOL").as_deref(), Some("git"));
         assert_eq!(
-            workspace,
-            format!("{PREPARE_MOUNT}/{}/workspace", session("source"))
+            env(container, "OAB_SEED_GIT_URL").as_deref(),
+            Some("git://10.244.0.9/repo")
         );
+        assert_eq!(env(container, "OAB_SEED_GIT_REF").as_deref(), Some("topic"));
     }
 }

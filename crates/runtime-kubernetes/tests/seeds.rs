@@ -1,6 +1,7 @@
 //! Seeding at create, on the real node: the profile's HOME template and a git clone (of a branch
 //! served by a Pod on the bridge) reach the session's volume through a seed Job, which is gone
-//! afterwards; a clone that fails says why in git's words; an ephemeral volume cannot be seeded.
+//! afterwards; a clone that fails says why in git's words; an ephemeral volume cannot be seeded;
+//! on a volume every session borrows, no clone URL reaches another session's repository.
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test seeds -- --ignored`.
@@ -15,10 +16,12 @@ use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed};
 use test_cluster::k8s_openapi::api::batch::v1::Job;
 use test_cluster::k8s_openapi::api::core::v1::{
-    EmptyDirVolumeSource, EnvVar, Pod, Probe, TCPSocketAction, Volume, VolumeMount,
+    EmptyDirVolumeSource, EnvVar, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, Probe,
+    TCPSocketAction, Volume, VolumeMount, VolumeResourceRequirements,
 };
+use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use test_cluster::kube::api::{DeleteParams, PostParams};
+use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster};
 
@@ -94,11 +97,12 @@ async fn a_home_template_and_a_clone_of_a_branch_seed_the_session_and_the_job_go
         "{WORKER_PROFILE}\n[home_template]\nconfig_map = \"{}\"\n",
         home.name()
     );
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
-    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let token = unique_name("commit");
     let server = format!("{installation}-git");
     let (pods, ip) = git_server(&cluster, &server, &token).await;
+    let document = format!("seed_hosts = [\"git://{ip}\"]\n{document}");
+    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
 
     let identity = SessionIdentity::new(&installation, "agent", "test", "seeded").expect("identity");
     let id = identity.id();
@@ -197,13 +201,14 @@ async fn an_ephemeral_volume_cannot_be_seeded() {
         document, WORKER_PROFILE,
         "the profile's storage table changed shape"
     );
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
-    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "ephemeral").expect("identity");
     let seed = WorkspaceSeed::GitClone {
         url: "git://10.244.0.1/repo".into(),
         reference: None,
     };
+    let document = format!("seed_hosts = [\"git://10.244.0.1\"]\n{document}");
+    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     match runtime
         .create(&identity, &CreateOptions::new().with_workspace_seed(seed))
         .await
@@ -382,4 +387,165 @@ async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refu
             .await
             .expect("close");
     }
+}
+
+/// A claim every session of a profile borrows, bound by the test provisioner; removed when
+/// dropped.
+struct SharedClaim {
+    claims: Api<PersistentVolumeClaim>,
+    name: String,
+}
+
+impl SharedClaim {
+    async fn create(cluster: &TestCluster, name: &str) -> SharedClaim {
+        let claims: Api<PersistentVolumeClaim> =
+            Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+        let claim = PersistentVolumeClaim {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PersistentVolumeClaimSpec {
+                access_modes: Some(vec!["ReadWriteOnce".into()]),
+                storage_class_name: Some("openab-test-local".into()),
+                resources: Some(VolumeResourceRequirements {
+                    requests: Some([("storage".to_owned(), Quantity("1Gi".into()))].into()),
+                    ..VolumeResourceRequirements::default()
+                }),
+                ..PersistentVolumeClaimSpec::default()
+            }),
+            status: None,
+        };
+        claims
+            .create(&PostParams::default(), &claim)
+            .await
+            .expect("the shared claim");
+        SharedClaim {
+            claims,
+            name: name.to_owned(),
+        }
+    }
+
+    async fn remove(self) {
+        let _ = self.claims.delete(&self.name, &DeleteParams::default()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository() {
+    let installation = unique_name("cross-clone");
+    let cluster = TestCluster::connect().await;
+    let token = unique_name("commit");
+    let server = format!("{installation}-git");
+    let (pods, ip) = git_server(&cluster, &server, &token).await;
+    let shared = SharedClaim::create(&cluster, &format!("{installation}-shared")).await;
+    let document = WORKER_PROFILE.replace(
+        "[storage]\nkind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"\n",
+        &format!("[storage]\nkind = \"borrowed\"\nclaim = \"{}\"\n", shared.name),
+    );
+    assert_ne!(
+        document, WORKER_PROFILE,
+        "the profile's storage table changed shape"
+    );
+    let document = format!("seed_hosts = [\"git://{ip}\"]\n{document}");
+    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
+    let thread = |name: &str| SessionIdentity::new(&installation, "agent", "test", name).expect("identity");
+    let (victim, intruder) = (thread("victim"), thread("intruder"));
+
+    // The victim keeps a secret on a branch that exists only in its own repository.
+    runtime
+        .create(&victim, &CreateOptions::new())
+        .await
+        .expect("create the victim");
+    let client = AcpClient::new(runtime.attach(&victim.id()).await.expect("attach the victim"));
+    client.initialize().await.expect("initialize");
+    let secret = unique_name("secret");
+    let made = client
+        .exec(&format!(
+            "git init -q . && git checkout -q -b private && echo {secret} > secret.txt && git add secret.txt \
+             && git -c user.email=v@v -c user.name=v commit -q -m {secret} && echo made"
+        ))
+        .await
+        .expect("exec in the victim");
+    assert!(made.stdout.contains("made"), "{made:?}");
+    drop(client);
+    runtime
+        .suspend(&victim.id(), session_runtime::SuspendReason::Idle)
+        .await
+        .expect("suspend the victim");
+
+    let victim_id = victim.id();
+    for url in [
+        format!("/session/{victim_id}/workspace"),
+        format!("file:///session/{victim_id}/workspace"),
+        format!("../{victim_id}/workspace"),
+        "ext::sh -c cp% -r% /session% /tmp/x".to_owned(),
+        format!("git://{ip}:9419/repo"),
+        "https://169.254.169.254/latest/meta-data".to_owned(),
+        "https://kubernetes.default.svc/api".to_owned(),
+    ] {
+        let seed = WorkspaceSeed::GitClone {
+            url: url.clone(),
+            reference: None,
+        };
+        match runtime
+            .create(&intruder, &CreateOptions::new().with_workspace_seed(seed))
+            .await
+        {
+            Err(Error::InvalidArgument { reason }) => assert!(reason.contains("seed"), "{url}: {reason}"),
+            other => panic!("the clone seed {url:?} must be refused at create: {other:?}"),
+        }
+        assert!(
+            matches!(runtime.status(&intruder.id()).await, Err(Error::NotFound { .. })),
+            "{url}: a refused seed makes nothing"
+        );
+    }
+
+    // The positive control: a clone from the listed host reaches the intruder's workspace, and
+    // its seed saw nothing of the victim's.
+    let seed = WorkspaceSeed::GitClone {
+        url: format!("git://{ip}/repo"),
+        reference: Some("topic".into()),
+    };
+    runtime
+        .create(&intruder, &CreateOptions::new().with_workspace_seed(seed))
+        .await
+        .expect("a clone from a listed host");
+    let client = AcpClient::new(runtime.attach(&intruder.id()).await.expect("attach the intruder"));
+    client.initialize().await.expect("initialize");
+    let workdir = client.working_dir().to_owned();
+    let log = client
+        .exec(&format!(
+            "git -C {workdir} log -1 --format=%s; git -C {workdir} branch -a"
+        ))
+        .await
+        .expect("exec in the intruder");
+    assert!(
+        log.stdout.contains(&token),
+        "the listed repository was cloned: {log:?}"
+    );
+    assert!(
+        !log.stdout.contains("private") && !log.stdout.contains(&secret),
+        "nothing of the victim's repository: {log:?}"
+    );
+    drop(client);
+    for identity in [&intruder, &victim] {
+        runtime
+            .close(&identity.id(), CloseReason::Reset)
+            .await
+            .expect("close");
+    }
+    let _ = pods
+        .delete(
+            &server,
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..DeleteParams::default()
+            },
+        )
+        .await;
+    drop(runtime);
+    shared.remove().await;
 }
