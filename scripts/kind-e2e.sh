@@ -41,8 +41,8 @@ kind load image-archive "$("$repo/e2e/images/build" worker)" --name "$cluster"
 (cd "$repo" && cargo build --locked -p openab-runtime --all-features --bin oab-runtime)
 kind load image-archive "$("$repo/e2e/images/build" controller "${CARGO_TARGET_DIR:-$repo/target}/debug/oab-runtime")" --name "$cluster"
 
-# The deploy files, exactly as an operator applies them.
-kubectl apply --server-side --field-manager openab-e2e -k "$repo/deploy/kubernetes"
+# The deploy files, as an operator applies them (an overlay setting the admission limits).
+kubectl apply --server-side --field-manager openab-e2e -k "$repo/e2e/manifests/test-cluster"
 # The tests' StorageClass, here on kind's own local-path provisioner (its directories are
 # world-writable, so the worker uid can write them).
 kubectl apply --server-side --field-manager openab-e2e -f - <<'YAML'

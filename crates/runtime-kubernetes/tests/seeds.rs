@@ -439,7 +439,8 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
     let token = unique_name("commit");
     let server = format!("{installation}-git");
     let (pods, ip) = git_server(&cluster, &server, &token).await;
-    let shared = SharedClaim::create(&cluster, &format!("{installation}-shared")).await;
+    // The one claim the test cluster's admission limits list (e2e/manifests/test-cluster).
+    let shared = SharedClaim::create(&cluster, "oab-test-borrowed").await;
     let document = WORKER_PROFILE.replace(
         "[storage]\nkind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"\n",
         &format!("[storage]\nkind = \"borrowed\"\nclaim = \"{}\"\n", shared.name),

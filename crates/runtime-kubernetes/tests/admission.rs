@@ -1,0 +1,382 @@
+//! The admission policy of the deploy files (`deploy/kubernetes/admission.yaml`), each rule tried
+//! by the write it forbids, made with the broker's own token, next to a write of the same kind
+//! that the runtime makes and the policy lets through (the positive control). Writes that would
+//! create are dry runs (`dryRun=All` runs the whole admission chain and stores nothing); deletes
+//! aim at objects the administrator made, and are dry runs too.
+//!
+//! Every forbidden write here is one the broker's Role allows: before the policy, each succeeded.
+//!
+//! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
+//! --test admission -- --ignored`.
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+use test_cluster::k8s_openapi::api::batch::v1::Job;
+use test_cluster::k8s_openapi::api::coordination::v1::Lease;
+use test_cluster::k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
+use test_cluster::k8s_openapi::api::networking::v1::NetworkPolicy;
+use test_cluster::kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use test_cluster::kube::{Api, Resource};
+use test_cluster::{unique_name, TestCluster};
+
+/// The labels the runtime puts on a session's objects.
+fn labels(installation: &str, session: &str, role: &str) -> BTreeMap<String, String> {
+    [
+        ("app.kubernetes.io/managed-by", "openab"),
+        ("openab.dev/installation", installation),
+        ("openab.dev/session", session),
+        ("openab.dev/role", role),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// A worker Pod as the runtime makes it (the parts admission looks at), as JSON to vary.
+fn worker_pod(session: &str) -> serde_json::Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": format!("oab-w-{session}"),
+            "labels": labels("admission", session, "worker"),
+        },
+        "spec": {
+            "serviceAccountName": format!("oab-i-{session}-1"),
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "restartPolicy": "Never",
+            "securityContext": {
+                "runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+                "seccompProfile": {"type": "RuntimeDefault"}
+            },
+            "containers": [{
+                "name": "worker",
+                "image": "openab.dev/worker:test",
+                "imagePullPolicy": "Never",
+                "securityContext": {
+                    "allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
+                    "capabilities": {"drop": ["ALL"]}
+                }
+            }],
+            "volumes": [
+                {"name": "session", "persistentVolumeClaim": {"claimName": format!("oab-d-{session}-1")}},
+                {"name": "tmp", "emptyDir": {}}
+            ]
+        }
+    })
+}
+
+fn dry_run() -> PostParams {
+    PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    }
+}
+
+/// Asserts `result` is the admission policy `policy` refusing, in its own words.
+fn refused_by<T: std::fmt::Debug>(policy: &str, what: &str, result: Result<T, test_cluster::kube::Error>) {
+    match result {
+        Err(test_cluster::kube::Error::Api(status)) => {
+            assert!(
+                status.code == 403 || status.code == 422,
+                "{what}: refused with {}: {}",
+                status.code,
+                status.message
+            );
+            assert!(
+                status.message.contains(policy),
+                "{what}: refused, but not by {policy}: {}",
+                status.message
+            );
+        }
+        other => panic!("{what}: the broker's write must be refused by {policy}, got {other:?}"),
+    }
+}
+
+/// Creates `pod` as a dry run with the broker's client.
+async fn create_pod(pods: &Api<Pod>, pod: serde_json::Value) -> Result<Pod, test_cluster::kube::Error> {
+    let pod: Pod = serde_json::from_value(pod).expect("a Pod");
+    pods.create(&dry_run(), &pod).await
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn the_broker_writes_only_what_the_admission_policy_allows() {
+    let cluster = TestCluster::connect().await;
+    let namespace = cluster.sessions_namespace();
+    let session = "aaaaaaaaaaaaaaaaaaaa";
+    let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
+
+    // The positive control: a worker as the runtime makes it passes.
+    create_pod(&pods, worker_pod(session))
+        .await
+        .expect("a worker Pod as the runtime makes it is admitted");
+
+    let mut other_image = worker_pod(session);
+    other_image["spec"]["containers"][0]["image"] = json!("registry.example/anything:latest");
+    refused_by("openab-workloads", "another image", create_pod(&pods, other_image).await);
+
+    let mut secret_volume = worker_pod(session);
+    secret_volume["spec"]["volumes"]
+        .as_array_mut()
+        .expect("volumes")
+        .push(json!({"name": "loot", "secret": {"secretName": "broker-credentials"}}));
+    refused_by("openab-workloads", "an unlisted Secret", create_pod(&pods, secret_volume).await);
+
+    let mut secret_env = worker_pod(session);
+    secret_env["spec"]["containers"][0]["env"] = json!([{
+        "name": "LOOT",
+        "valueFrom": {"secretKeyRef": {"name": "broker-credentials", "key": "token"}}
+    }]);
+    refused_by("openab-workloads", "an unlisted Secret's key", create_pod(&pods, secret_env).await);
+
+    let mut other_claim = worker_pod(session);
+    other_claim["spec"]["volumes"][0] = json!({
+        "name": "session",
+        "persistentVolumeClaim": {"claimName": "oab-d-bbbbbbbbbbbbbbbbbbbb-1"}
+    });
+    refused_by(
+        "openab-workloads",
+        "another session's claim, writable",
+        create_pod(&pods, other_claim).await,
+    );
+
+    let mut shared_account = worker_pod(session);
+    shared_account["spec"]["serviceAccountName"] = json!("default");
+    refused_by(
+        "openab-workloads",
+        "an account other than the session's",
+        create_pod(&pods, shared_account).await,
+    );
+
+    let mut token = worker_pod(session);
+    token["spec"]["automountServiceAccountToken"] = json!(true);
+    refused_by("openab-workloads", "a mounted token", create_pod(&pods, token).await);
+
+    let mut foreign = worker_pod(session);
+    foreign["metadata"]["labels"]
+        .as_object_mut()
+        .expect("labels")
+        .remove("app.kubernetes.io/managed-by");
+    refused_by(
+        "openab-installation-objects",
+        "a Pod that is not the runtime's",
+        create_pod(&pods, foreign).await,
+    );
+
+    let mut misnamed = worker_pod(session);
+    misnamed["metadata"]["name"] = json!("kube-proxy-imposter");
+    refused_by(
+        "openab-installation-objects",
+        "a name the runtime never gives",
+        create_pod(&pods, misnamed).await,
+    );
+
+    // A Job: the seed's shape with another image.
+    let jobs: Api<Job> = Api::namespaced(cluster.broker(), namespace);
+    let mut template = worker_pod(session);
+    template["spec"]["containers"][0]["image"] = json!("registry.example/anything:latest");
+    let job: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": format!("oab-p-{session}-1"), "labels": labels("admission", session, "seed")},
+        "spec": {"template": {"metadata": {"labels": labels("admission", session, "seed")}, "spec": template["spec"]}}
+    }))
+    .expect("a Job");
+    refused_by("openab-workloads", "a seed Job with another image", jobs.create(&dry_run(), &job).await);
+
+    // NetworkPolicies: never the namespace's own, never ingress, never a selector peer.
+    let policies: Api<NetworkPolicy> = Api::namespaced(cluster.broker(), namespace);
+    let widen = json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "oab-workers"},
+        "spec": {"egress": [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]}
+    });
+    refused_by(
+        "openab-installation-objects",
+        "widening the namespace's worker policy",
+        policies
+            .patch(
+                "oab-workers",
+                &PatchParams::apply("openab-broker").dry_run(),
+                &Patch::Apply(&widen),
+            )
+            .await,
+    );
+    let allowance = |spec: serde_json::Value| -> NetworkPolicy {
+        serde_json::from_value(json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": "oab-egress-admission",
+                "labels": {"app.kubernetes.io/managed-by": "openab", "openab.dev/installation": "admission"}
+            },
+            "spec": spec
+        }))
+        .expect("a NetworkPolicy")
+    };
+    let selector = json!({"matchLabels": {
+        "app.kubernetes.io/managed-by": "openab", "openab.dev/installation": "admission",
+        "openab.dev/profile": "p"
+    }});
+    policies
+        .create(
+            &dry_run(),
+            &allowance(json!({
+                "podSelector": selector, "policyTypes": ["Egress"],
+                "egress": [{"to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}]}]
+            })),
+        )
+        .await
+        .expect("a profile's egress allowance is admitted");
+    refused_by(
+        "openab-egress-policies",
+        "an ingress rule",
+        policies
+            .create(
+                &dry_run(),
+                &allowance(json!({
+                    "podSelector": selector, "policyTypes": ["Ingress", "Egress"],
+                    "ingress": [{}]
+                })),
+            )
+            .await,
+    );
+    refused_by(
+        "openab-egress-policies",
+        "egress to every namespace's Pods",
+        policies
+            .create(
+                &dry_run(),
+                &allowance(json!({
+                    "podSelector": selector, "policyTypes": ["Egress"],
+                    "egress": [{"to": [{"namespaceSelector": {}}]}]
+                })),
+            )
+            .await,
+    );
+    refused_by(
+        "openab-egress-policies",
+        "another installation's Pods",
+        policies
+            .create(
+                &dry_run(),
+                &allowance(json!({
+                    "podSelector": {"matchLabels": {
+                        "app.kubernetes.io/managed-by": "openab", "openab.dev/installation": "other",
+                        "openab.dev/profile": "p"
+                    }},
+                    "policyTypes": ["Egress"]
+                })),
+            )
+            .await,
+    );
+
+    // A session's ServiceAccount holds nothing.
+    let accounts: Api<ServiceAccount> = Api::namespaced(cluster.broker(), namespace);
+    let account = |automount: bool| -> ServiceAccount {
+        serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": format!("oab-i-{session}-1"), "labels": labels("admission", session, "identity")},
+            "automountServiceAccountToken": automount
+        }))
+        .expect("a ServiceAccount")
+    };
+    accounts
+        .create(&dry_run(), &account(false))
+        .await
+        .expect("a session's account as the runtime makes it is admitted");
+    refused_by(
+        "openab-session-identities",
+        "an account that mounts its token",
+        accounts.create(&dry_run(), &account(true)).await,
+    );
+}
+
+/// Objects an administrator made (a borrowed claim, a Lease of something else) are neither
+/// deleted nor adopted by the broker.
+#[tokio::test]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
+    let cluster = TestCluster::connect().await;
+    let namespace = cluster.sessions_namespace();
+    let name = unique_name("oab-d-admin");
+    let admin_claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "openab-test-local",
+            "resources": {"requests": {"storage": "1Gi"}}
+        }
+    }))
+    .expect("a claim");
+    admin_claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("the administrator's claim");
+    let lease_name = unique_name("oab-s-admin");
+    let admin_leases: Api<Lease> = Api::namespaced(cluster.admin(), namespace);
+    let lease: Lease = serde_json::from_value(json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": lease_name}
+    }))
+    .expect("a Lease");
+    admin_leases
+        .create(&PostParams::default(), &lease)
+        .await
+        .expect("the administrator's Lease");
+
+    let dry_delete = DeleteParams {
+        dry_run: true,
+        ..DeleteParams::default()
+    };
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.broker(), namespace);
+    let deleted = claims.delete(&name, &dry_delete).await;
+    let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
+    let deleted_lease = leases.delete(&lease_name, &dry_delete).await;
+    let mut adopted = leases.get(&lease_name).await.expect("the broker reads Leases");
+    adopted.metadata.labels = Some(labels("admission", "aaaaaaaaaaaaaaaaaaaa", "anchor"));
+    let adoption = leases.replace(&lease_name, &dry_run(), &adopted).await;
+    let unlabelled: Lease = serde_json::from_value(json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": unique_name("oab-s-unlabelled")}
+    }))
+    .expect("a Lease");
+    let created = leases.create(&dry_run(), &unlabelled).await;
+
+    let _ = admin_claims.delete(&name, &DeleteParams::default()).await;
+    let _ = admin_leases.delete(&lease_name, &DeleteParams::default()).await;
+    refused_by("openab-installation-objects", "deleting an administrator's claim", deleted);
+    refused_by(
+        "openab-installation-objects",
+        "deleting an administrator's Lease",
+        deleted_lease,
+    );
+    refused_by(
+        "openab-installation-objects",
+        "relabelling an administrator's Lease as the installation's",
+        adoption,
+    );
+    refused_by("openab-installation-objects", "a Lease without the installation", created);
+    // Its own labelled Lease, by contrast, it may write (the positive control).
+    let mut anchor: Lease = serde_json::from_value(json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": unique_name("oab-s-own")}
+    }))
+    .expect("a Lease");
+    anchor.meta_mut().labels = Some(labels("admission", "aaaaaaaaaaaaaaaaaaaa", "anchor"));
+    leases
+        .create(&dry_run(), &anchor)
+        .await
+        .expect("a Lease of the installation is admitted");
+}
