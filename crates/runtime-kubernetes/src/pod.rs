@@ -136,7 +136,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             name,
             mount_path: skill.mount_path.clone(),
             read_only: Some(true),
-            recursive_read_only: Some("IfPossible".to_owned()),
+            recursive_read_only: Some(profile.skills_read_only.as_kubernetes().to_owned()),
             ..VolumeMount::default()
         });
     }
@@ -481,6 +481,23 @@ mod tests {
         let labels = pod.metadata.labels.as_ref().expect("labels");
         assert_eq!(labels.get(names::GENERATION).map(String::as_str), Some("3"));
         assert_eq!(spec.active_deadline_seconds, None, "no max_lifetime, no deadline");
+    }
+
+    #[test]
+    fn skills_are_read_only_all_the_way_down_unless_the_profile_settles_for_less() {
+        let skills = "[[skills]]\nname = \"skills\"\nmount_path = \"/skills\"\nconfig_map = \"s\"\n";
+        let mode = |pod: &Pod| {
+            pod.spec.as_ref().expect("spec").containers[0]
+                .volume_mounts
+                .iter()
+                .flatten()
+                .find(|mount| mount.mount_path == "/skills")
+                .map(|mount| (mount.read_only, mount.recursive_read_only.clone()))
+        };
+        let (_, strict) = pod_for(skills);
+        assert_eq!(mode(&strict), Some((Some(true), Some("Enabled".to_owned()))));
+        let (_, lenient) = pod_for(&format!("skills_read_only = \"if-possible\"\n{skills}"));
+        assert_eq!(mode(&lenient), Some((Some(true), Some("IfPossible".to_owned()))));
     }
 
     #[test]

@@ -35,6 +35,8 @@
 //! size = "1Gi"
 //! access_mode = "ReadWriteOnce"               # ReadWriteOnce | ReadWriteOncePod
 //!
+//! skills_read_only = "recursive"            # recursive | if-possible; default "recursive"
+//!
 //! [[skills]]
 //! name = "skills"
 //! mount_path = "/skills"
@@ -106,6 +108,10 @@ pub struct WorkerProfile {
     pub home_path: String,
     /// Read-only inputs mounted into every worker (skills, tools, reference data). Default none.
     pub skills: Vec<ReadOnlyInput>,
+    /// Whether [`skills`](Self::skills) must be read-only all the way down (submounts
+    /// included), or only where the node's runtime can do it. Default
+    /// [`SkillsReadOnly::Recursive`].
+    pub skills_read_only: SkillsReadOnly,
     /// Files copied into every new session's HOME when it is created (each key of the
     /// ConfigMap or Secret becomes a file). Default none.
     pub home_template: Option<HomeTemplate>,
@@ -630,6 +636,32 @@ impl fmt::Display for AccessMode {
     }
 }
 
+/// How read-only the `[[skills]]` mounts are: the profile's `skills_read_only`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum SkillsReadOnly {
+    /// `"recursive"`: read-only all the way down, submounts included (`recursiveReadOnly:
+    /// Enabled`); a node whose runtime cannot do that refuses to start the worker, which fails
+    /// the attach rather than mounting something writable. The default.
+    #[default]
+    Recursive,
+    /// `"if-possible"`: recursively where the node's runtime supports it (containerd 2 with a
+    /// recent runc and kernel), else only the top mount (`recursiveReadOnly: IfPossible`). A
+    /// volume with no submounts is read-only either way.
+    IfPossible,
+}
+
+impl SkillsReadOnly {
+    /// The value of a mount's `recursiveReadOnly`.
+    pub fn as_kubernetes(&self) -> &'static str {
+        match self {
+            SkillsReadOnly::Recursive => "Enabled",
+            SkillsReadOnly::IfPossible => "IfPossible",
+        }
+    }
+}
+
 /// One `[[skills]]` entry: a volume mounted read-only (recursively) into every worker.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(try_from = "RawInput")]
@@ -873,6 +905,7 @@ struct Document {
     mount_path: String,
     home_path: String,
     skills: Vec<ReadOnlyInput>,
+    skills_read_only: SkillsReadOnly,
     home_template: Option<HomeTemplate>,
     env: Vec<SecretEnv>,
     runtime_class: Option<String>,
@@ -899,6 +932,7 @@ impl Default for Document {
             mount_path: WorkerProfile::DEFAULT_MOUNT_PATH.to_owned(),
             home_path: WorkerProfile::DEFAULT_HOME_PATH.to_owned(),
             skills: Vec::new(),
+            skills_read_only: SkillsReadOnly::default(),
             home_template: None,
             env: Vec::new(),
             runtime_class: None,
@@ -927,6 +961,7 @@ impl Document {
             mount_path: self.mount_path,
             home_path: self.home_path,
             skills: self.skills,
+            skills_read_only: self.skills_read_only,
             home_template: self.home_template,
             env: self.env,
             runtime_class: self.runtime_class,
@@ -1141,6 +1176,7 @@ mod tests {
             runtime_class = "gvisor"
             egress = ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8", "0.0.0.0/0"]
             seed_hosts = ["github.com", "git://10.0.0.7:9419"]
+            skills_read_only = "if-possible"
             idle_ttl = "45m"
             max_lifetime = "8h"
             termination_grace = "30s"
@@ -1219,6 +1255,7 @@ mod tests {
                     version: None,
                 },
             ],
+            skills_read_only: SkillsReadOnly::IfPossible,
             home_template: Some(HomeTemplate::Secret("agent-home".into())),
             env: vec![SecretEnv {
                 name: "ANTHROPIC_API_KEY".into(),
