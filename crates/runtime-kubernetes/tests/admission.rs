@@ -380,3 +380,79 @@ async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
         .await
         .expect("a Lease of the installation is admitted");
 }
+
+/// Whether `address` lies in the IPv4 block `cidr`.
+fn in_block(address: std::net::Ipv4Addr, cidr: &str) -> bool {
+    let Some((network, bits)) = cidr.split_once('/') else {
+        return false;
+    };
+    let (Ok(network), Ok(bits)) = (network.parse::<std::net::Ipv4Addr>(), bits.parse::<u32>()) else {
+        return false;
+    };
+    let mask = u32::MAX.checked_shl(32 - bits).unwrap_or(0);
+    u32::from(address) & mask == u32::from(network) & mask
+}
+
+/// Until the test cluster runs a NetworkPolicy engine, the policies are asserted as objects: the
+/// namespace denies by default, and a seed Job's Pod (labelled as the runtime labels it) may reach
+/// neither the API server nor the metadata address, nor accept any connection.
+#[tokio::test]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn the_sessions_namespace_denies_by_default_and_seeds_reach_only_dns_and_public_addresses() {
+    let cluster = TestCluster::connect().await;
+    let policies: Api<NetworkPolicy> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let deny = policies
+        .get("oab-default-deny")
+        .await
+        .expect("the default deny")
+        .spec
+        .expect("a spec");
+    assert_eq!(
+        deny.pod_selector.clone().unwrap_or_default(),
+        Default::default(),
+        "every Pod of the namespace"
+    );
+    assert_eq!(deny.policy_types, Some(vec!["Ingress".into(), "Egress".into()]));
+    assert!(deny.ingress.is_none() && deny.egress.is_none(), "{deny:?}");
+
+    let seeds = policies.get("oab-seeds").await.expect("the seeds' policy").spec.expect("a spec");
+    let seed_labels = labels("admission", "aaaaaaaaaaaaaaaaaaaa", "seed");
+    let selected = seeds
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.as_ref())
+        .is_some_and(|wanted| wanted.iter().all(|(k, v)| seed_labels.get(k) == Some(v)));
+    assert!(selected, "a seed Job's Pod is selected: {:?}", seeds.pod_selector);
+    assert!(seeds.ingress.unwrap_or_default().is_empty(), "nothing reaches a seed");
+    let api_server: std::net::Ipv4Addr = cluster
+        .admin_config()
+        .cluster_url
+        .host()
+        .and_then(|host| host.parse().ok())
+        .unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+    let metadata = std::net::Ipv4Addr::new(169, 254, 169, 254);
+    for rule in seeds.egress.iter().flatten() {
+        for peer in rule.to.iter().flatten() {
+            let Some(block) = &peer.ip_block else {
+                let dns = peer
+                    .pod_selector
+                    .as_ref()
+                    .and_then(|s| s.match_labels.as_ref())
+                    .and_then(|l| l.get("k8s-app"))
+                    .map(String::as_str);
+                assert_eq!(dns, Some("kube-dns"), "a selector peer is only the cluster DNS: {peer:?}");
+                continue;
+            };
+            if block.cidr.contains(':') {
+                continue;
+            }
+            let except = block.except.clone().unwrap_or_default();
+            for address in [api_server, metadata] {
+                assert!(
+                    !in_block(address, &block.cidr) || except.iter().any(|e| in_block(address, e)),
+                    "{address} is reachable through {block:?}"
+                );
+            }
+        }
+    }
+}
