@@ -101,12 +101,55 @@ async fn create_pod(pods: &Api<Pod>, pod: serde_json::Value) -> Result<Pod, test
     pods.create(&dry_run(), &pod).await
 }
 
+/// A session id no other test uses: 20 characters of the id's alphabet.
+fn fresh_session() -> String {
+    let seed = unique_name("admission");
+    let mut state = seed.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (0..20)
+        .map(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            char::from(b"abcdefghijklmnopqrstuvwxyz234567"[(state >> 59) as usize])
+        })
+        .collect()
+}
+
 #[tokio::test]
 #[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
 async fn the_broker_writes_only_what_the_admission_policy_allows() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
-    let session = "aaaaaaaaaaaaaaaaaaaa";
+    let session = fresh_session();
+    let session = session.as_str();
+    // The ServiceAccount admission plugin refuses a Pod (even a dry run) whose account is
+    // missing: the session's account, as the runtime would have made it at create.
+    let admin_accounts: Api<ServiceAccount> = Api::namespaced(cluster.admin(), namespace);
+    let own_account: ServiceAccount = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": format!("oab-i-{session}-1"), "labels": labels("admission", session, "identity")},
+        "automountServiceAccountToken": false
+    }))
+    .expect("a ServiceAccount");
+    admin_accounts
+        .create(&PostParams::default(), &own_account)
+        .await
+        .expect("the session's account");
+    let outcome = tokio::spawn(broker_writes(cluster, session.to_owned())).await;
+    let _ = admin_accounts
+        .delete(&format!("oab-i-{session}-1"), &DeleteParams::default())
+        .await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic.into_panic());
+    }
+}
+
+/// Each write the broker's Role allows and the admission policy forbids, next to its positive
+/// control.
+async fn broker_writes(cluster: TestCluster, session: String) {
+    let session = session.as_str();
+    let namespace = cluster.sessions_namespace();
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
 
     // The positive control: a worker as the runtime makes it passes.
@@ -116,21 +159,33 @@ async fn the_broker_writes_only_what_the_admission_policy_allows() {
 
     let mut other_image = worker_pod(session);
     other_image["spec"]["containers"][0]["image"] = json!("registry.example/anything:latest");
-    refused_by("openab-workloads", "another image", create_pod(&pods, other_image).await);
+    refused_by(
+        "openab-workloads",
+        "another image",
+        create_pod(&pods, other_image).await,
+    );
 
     let mut secret_volume = worker_pod(session);
     secret_volume["spec"]["volumes"]
         .as_array_mut()
         .expect("volumes")
         .push(json!({"name": "loot", "secret": {"secretName": "broker-credentials"}}));
-    refused_by("openab-workloads", "an unlisted Secret", create_pod(&pods, secret_volume).await);
+    refused_by(
+        "openab-workloads",
+        "an unlisted Secret",
+        create_pod(&pods, secret_volume).await,
+    );
 
     let mut secret_env = worker_pod(session);
     secret_env["spec"]["containers"][0]["env"] = json!([{
         "name": "LOOT",
         "valueFrom": {"secretKeyRef": {"name": "broker-credentials", "key": "token"}}
     }]);
-    refused_by("openab-workloads", "an unlisted Secret's key", create_pod(&pods, secret_env).await);
+    refused_by(
+        "openab-workloads",
+        "an unlisted Secret's key",
+        create_pod(&pods, secret_env).await,
+    );
 
     let mut other_claim = worker_pod(session);
     other_claim["spec"]["volumes"][0] = json!({
@@ -153,7 +208,11 @@ async fn the_broker_writes_only_what_the_admission_policy_allows() {
 
     let mut token = worker_pod(session);
     token["spec"]["automountServiceAccountToken"] = json!(true);
-    refused_by("openab-workloads", "a mounted token", create_pod(&pods, token).await);
+    refused_by(
+        "openab-workloads",
+        "a mounted token",
+        create_pod(&pods, token).await,
+    );
 
     let mut foreign = worker_pod(session);
     foreign["metadata"]["labels"]
@@ -185,7 +244,11 @@ async fn the_broker_writes_only_what_the_admission_policy_allows() {
         "spec": {"template": {"metadata": {"labels": labels("admission", session, "seed")}, "spec": template["spec"]}}
     }))
     .expect("a Job");
-    refused_by("openab-workloads", "a seed Job with another image", jobs.create(&dry_run(), &job).await);
+    refused_by(
+        "openab-workloads",
+        "a seed Job with another image",
+        jobs.create(&dry_run(), &job).await,
+    );
 
     // NetworkPolicies: never the namespace's own, never ingress, never a selector peer.
     let policies: Api<NetworkPolicy> = Api::namespaced(cluster.broker(), namespace);
@@ -195,13 +258,14 @@ async fn the_broker_writes_only_what_the_admission_policy_allows() {
         "metadata": {"name": "oab-workers"},
         "spec": {"egress": [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]}
     });
+    // Both the name rule and the egress-only rule refuse it; either may report first.
     refused_by(
-        "openab-installation-objects",
+        "ValidatingAdmissionPolicy 'openab-",
         "widening the namespace's worker policy",
         policies
             .patch(
                 "oab-workers",
-                &PatchParams::apply("openab-broker").dry_run(),
+                &PatchParams::apply("openab-broker").force().dry_run(),
                 &Patch::Apply(&widen),
             )
             .await,
@@ -281,7 +345,7 @@ async fn the_broker_writes_only_what_the_admission_policy_allows() {
         serde_json::from_value(json!({
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": {"name": format!("oab-i-{session}-1"), "labels": labels("admission", session, "identity")},
+            "metadata": {"name": format!("oab-i-{session}-2"), "labels": labels("admission", session, "identity")},
             "automountServiceAccountToken": automount
         }))
         .expect("a ServiceAccount")
@@ -355,7 +419,11 @@ async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
 
     let _ = admin_claims.delete(&name, &DeleteParams::default()).await;
     let _ = admin_leases.delete(&lease_name, &DeleteParams::default()).await;
-    refused_by("openab-installation-objects", "deleting an administrator's claim", deleted);
+    refused_by(
+        "openab-installation-objects",
+        "deleting an administrator's claim",
+        deleted,
+    );
     refused_by(
         "openab-installation-objects",
         "deleting an administrator's Lease",
@@ -366,7 +434,11 @@ async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
         "relabelling an administrator's Lease as the installation's",
         adoption,
     );
-    refused_by("openab-installation-objects", "a Lease without the installation", created);
+    refused_by(
+        "openab-installation-objects",
+        "a Lease without the installation",
+        created,
+    );
     // Its own labelled Lease, by contrast, it may write (the positive control).
     let mut anchor: Lease = serde_json::from_value(json!({
         "apiVersion": "coordination.k8s.io/v1",
@@ -415,7 +487,12 @@ async fn the_sessions_namespace_denies_by_default_and_seeds_reach_only_dns_and_p
     assert_eq!(deny.policy_types, Some(vec!["Ingress".into(), "Egress".into()]));
     assert!(deny.ingress.is_none() && deny.egress.is_none(), "{deny:?}");
 
-    let seeds = policies.get("oab-seeds").await.expect("the seeds' policy").spec.expect("a spec");
+    let seeds = policies
+        .get("oab-seeds")
+        .await
+        .expect("the seeds' policy")
+        .spec
+        .expect("a spec");
     let seed_labels = labels("admission", "aaaaaaaaaaaaaaaaaaaa", "seed");
     let selected = seeds
         .pod_selector
@@ -423,7 +500,10 @@ async fn the_sessions_namespace_denies_by_default_and_seeds_reach_only_dns_and_p
         .and_then(|s| s.match_labels.as_ref())
         .is_some_and(|wanted| wanted.iter().all(|(k, v)| seed_labels.get(k) == Some(v)));
     assert!(selected, "a seed Job's Pod is selected: {:?}", seeds.pod_selector);
-    assert!(seeds.ingress.unwrap_or_default().is_empty(), "nothing reaches a seed");
+    assert!(
+        seeds.ingress.unwrap_or_default().is_empty(),
+        "nothing reaches a seed"
+    );
     let api_server: std::net::Ipv4Addr = cluster
         .admin_config()
         .cluster_url
@@ -440,7 +520,11 @@ async fn the_sessions_namespace_denies_by_default_and_seeds_reach_only_dns_and_p
                     .and_then(|s| s.match_labels.as_ref())
                     .and_then(|l| l.get("k8s-app"))
                     .map(String::as_str);
-                assert_eq!(dns, Some("kube-dns"), "a selector peer is only the cluster DNS: {peer:?}");
+                assert_eq!(
+                    dns,
+                    Some("kube-dns"),
+                    "a selector peer is only the cluster DNS: {peer:?}"
+                );
                 continue;
             };
             if block.cidr.contains(':') {
