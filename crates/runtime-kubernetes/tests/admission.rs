@@ -18,7 +18,7 @@ use test_cluster::k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Servi
 use test_cluster::k8s_openapi::api::networking::v1::NetworkPolicy;
 use test_cluster::kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use test_cluster::kube::{Api, Resource};
-use test_cluster::{unique_name, TestCluster};
+use test_cluster::{unique_name, unique_session_id, TestCluster};
 
 /// The labels the runtime puts on a session's objects.
 fn labels(installation: &str, session: &str, role: &str) -> BTreeMap<String, String> {
@@ -101,26 +101,12 @@ async fn create_pod(pods: &Api<Pod>, pod: serde_json::Value) -> Result<Pod, test
     pods.create(&dry_run(), &pod).await
 }
 
-/// A session id no other test uses: 20 characters of the id's alphabet.
-fn fresh_session() -> String {
-    let seed = unique_name("admission");
-    let mut state = seed.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-    });
-    (0..20)
-        .map(|_| {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            char::from(b"abcdefghijklmnopqrstuvwxyz234567"[(state >> 59) as usize])
-        })
-        .collect()
-}
-
 #[tokio::test]
 #[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
 async fn the_broker_writes_only_what_the_admission_policy_allows() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
-    let session = fresh_session();
+    let session = unique_session_id();
     let session = session.as_str();
     // The ServiceAccount admission plugin refuses a Pod (even a dry run) whose account is
     // missing: the session's account, as the runtime would have made it at create.
@@ -539,4 +525,74 @@ async fn the_sessions_namespace_denies_by_default_and_seeds_reach_only_dns_and_p
             }
         }
     }
+}
+
+/// The controller's own identity creates no worker and never execs (its Role), and is held to
+/// the admission policy like the broker.
+#[tokio::test]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn the_controller_creates_no_worker_never_execs_and_is_bounded_like_the_broker() {
+    let cluster = TestCluster::connect().await;
+    let namespace = cluster.sessions_namespace();
+    let controller = cluster.controller().await;
+    let pods: Api<Pod> = Api::namespaced(controller.clone(), namespace);
+    let session = unique_session_id();
+    match create_pod(&pods, worker_pod(&session)).await {
+        Err(test_cluster::kube::Error::Api(status)) => assert!(
+            status.code == 403 && status.message.contains("cannot create resource"),
+            "RBAC refuses it: {}",
+            status.message
+        ),
+        other => panic!("the controller must not create a worker: {other:?}"),
+    }
+    let exec = pods
+        .exec(
+            &format!("oab-w-{session}"),
+            ["/usr/local/bin/oab-relay", "connect"],
+            &test_cluster::kube::api::AttachParams::default()
+                .stdout(true)
+                .stderr(false),
+        )
+        .await;
+    match exec {
+        Err(error) => assert!(
+            error.to_string().contains("403"),
+            "RBAC refuses the exec: {error}"
+        ),
+        Ok(_) => panic!("the controller must never exec"),
+    }
+    // What its Role allows it, the policy still bounds: an administrator's claim stays.
+    let name = unique_name("oab-d-admin");
+    let admin_claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "openab-test-local",
+            "resources": {"requests": {"storage": "1Gi"}}
+        }
+    }))
+    .expect("a claim");
+    admin_claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("the administrator's claim");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(controller, namespace);
+    let deleted = claims
+        .delete(
+            &name,
+            &DeleteParams {
+                dry_run: true,
+                ..DeleteParams::default()
+            },
+        )
+        .await;
+    let _ = admin_claims.delete(&name, &DeleteParams::default()).await;
+    refused_by(
+        "openab-installation-objects",
+        "the controller deleting an administrator's claim",
+        deleted,
+    );
 }

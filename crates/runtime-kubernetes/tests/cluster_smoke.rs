@@ -10,8 +10,8 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt};
 use test_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use test_cluster::k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, Secret, Toleration,
-    VolumeResourceRequirements,
+    ConfigMap, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, Secret,
+    ServiceAccount, Toleration, VolumeResourceRequirements,
 };
 use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -20,16 +20,31 @@ use test_cluster::kube::api::{
     WatchParams,
 };
 use test_cluster::kube::{Api, Resource, ResourceExt};
-use test_cluster::{api_status, restricted_pod, unique_name, wait_until, TestCluster};
+use test_cluster::{api_status, restricted_pod, unique_name, unique_session_id, wait_until, TestCluster};
 
 /// An image name that no node has: these Pods are admitted and scheduled, never run.
 const ABSENT_IMAGE: &str = "openab.dev/never-pulled:smoke";
 const GENEROUS: Duration = Duration::from_secs(90);
 
+/// The labels the admission policy asks of the broker's objects (deploy/kubernetes/admission.yaml).
+fn ours(session: &str, role: &str) -> std::collections::BTreeMap<String, String> {
+    [
+        ("app.kubernetes.io/managed-by", "openab"),
+        ("openab.dev/installation", "smoke"),
+        ("openab.dev/session", session),
+        ("openab.dev/role", role),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// A Lease as the broker may write it: an anchor's name and labels.
 fn lease(name: &str) -> Lease {
     Lease {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
+            labels: Some(ours("aaaaaaaaaaaaaaaaaaaa", "anchor")),
             ..ObjectMeta::default()
         },
         spec: Some(LeaseSpec {
@@ -111,7 +126,7 @@ async fn the_broker_has_its_role_and_nothing_else() {
     assert_eq!(api_status(&listed), Some(403), "cluster-wide: {listed:?}");
 
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
-    let name = unique_name("broker-lease");
+    let name = unique_name("oab-s-broker-lease");
     let created = leases
         .create(&PostParams::default(), &lease(&name))
         .await
@@ -128,7 +143,7 @@ async fn the_broker_has_its_role_and_nothing_else() {
 async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
     let cluster = TestCluster::connect().await;
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
-    let name = unique_name("cas");
+    let name = unique_name("oab-s-cas");
     let original = leases
         .create(&PostParams::default(), &lease(&name))
         .await
@@ -182,7 +197,23 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
     let namespace = cluster.sessions_namespace();
     let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
-    let name = unique_name("owned");
+    let session = unique_session_id();
+    let name = format!("oab-s-{session}");
+    let pod_name = format!("oab-w-{session}");
+    // A worker as the admission policy admits it: the session's own account, which exists.
+    let accounts: Api<ServiceAccount> = Api::namespaced(cluster.admin(), namespace);
+    let account = ServiceAccount {
+        metadata: ObjectMeta {
+            name: Some(format!("oab-i-{session}-1")),
+            ..ObjectMeta::default()
+        },
+        automount_service_account_token: Some(false),
+        ..ServiceAccount::default()
+    };
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .expect("the session's account");
     let owner = leases
         .create(&PostParams::default(), &lease(&name))
         .await
@@ -198,7 +229,11 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
 
     // OwnerReferencesPermissionEnforcement: blocking the owner's deletion needs update on
     // leases/finalizers, which the broker's Role does not grant.
-    let mut pod = restricted_pod(&name, ABSENT_IMAGE, &[]);
+    let mut pod = restricted_pod(&pod_name, "openab.dev/absent:test", &[]);
+    pod.metadata.labels = Some(ours(&session, "worker"));
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.service_account_name = Some(format!("oab-i-{session}-1"));
+    }
     pod.metadata.owner_references = Some(vec![reference.clone()]);
     let refused = pods.create(&PostParams::default(), &pod).await;
     assert_eq!(api_status(&refused), Some(403), "{refused:?}");
@@ -215,9 +250,12 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
     wait_until(
         "the garbage collector to delete the owned Pod",
         GENEROUS,
-        || async { (api_status(&pods.get(&name).await) == Some(404)).then_some(()) },
+        || async { (api_status(&pods.get(&pod_name).await) == Some(404)).then_some(()) },
     )
     .await;
+    let _ = accounts
+        .delete(&format!("oab-i-{session}-1"), &DeleteParams::default())
+        .await;
 }
 
 #[tokio::test]

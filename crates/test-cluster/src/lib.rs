@@ -120,6 +120,35 @@ impl TestCluster {
         self.broker.clone()
     }
 
+    /// A client with exactly the controller's permissions (`deploy/kubernetes/controller-rbac.yaml`):
+    /// a fresh, hour-long token of its ServiceAccount `openab/openab-controller`.
+    ///
+    /// # Panics
+    /// When the token cannot be requested (the deploy files are not applied).
+    pub async fn controller(&self) -> Client {
+        use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.admin(), "openab");
+        let request = TokenRequest {
+            spec: Some(TokenRequestSpec {
+                expiration_seconds: Some(3600),
+                ..TokenRequestSpec::default()
+            }),
+            ..TokenRequest::default()
+        };
+        let token = accounts
+            .create_token_request("openab-controller", &PostParams::default(), &request)
+            .await
+            .unwrap_or_else(|error| panic!("a token of openab/openab-controller: {error}"))
+            .status
+            .and_then(|status| status.token)
+            .unwrap_or_else(|| panic!("the TokenRequest for openab/openab-controller returned no token"));
+        let mut config = self.broker_config.clone();
+        config.auth_info.token = Some(token.into());
+        Client::try_from(config)
+            .unwrap_or_else(|error| panic!("a client with the controller's token: {error}"))
+    }
+
     /// The broker client's configuration, for a client with layers of a test's own
     /// ([`faults::Faults::client`]).
     pub fn broker_config(&self) -> Config {
@@ -334,6 +363,23 @@ pub fn api_status<T>(result: &Result<T, kube::Error>) -> Option<u16> {
         Err(kube::Error::Api(status)) => Some(status.code),
         _ => None,
     }
+}
+
+/// A session id (20 characters of its base32 alphabet) no other test uses, for objects a test
+/// makes in a session's name without a runtime.
+pub fn unique_session_id() -> String {
+    let seed = unique_name("session");
+    let mut state = seed.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (0..20)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b"abcdefghijklmnopqrstuvwxyz234567"[usize::try_from(state >> 59).unwrap_or(0)])
+        })
+        .collect()
 }
 
 /// `<prefix>-<suffix>`, a name no other test of this run (or, very likely, of another run) uses.
