@@ -23,8 +23,10 @@ async fn isolation(reach: Reach, installation: &str) {
         &[("SKILL.md", SKILL)],
     )
     .await;
+    // The test node's containerd 1.6 cannot mount recursively read-only (containerd 2 can), and
+    // the default, "recursive", refuses to start such a worker rather than degrade silently.
     let profile_text = format!(
-        "{WORKER_PROFILE}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        "skills_read_only = \"if-possible\"\n{WORKER_PROFILE}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
         skills.name()
     );
     let profile = AdminConfigMap::profile(&cluster, installation, &profile_text).await;

@@ -3,7 +3,9 @@
 //! volume that outlives the Pod, reachable from the host on its Pod IP and reaching nothing off the
 //! machine; a missing image and an exhausted memory limit say so in the Pod's status.
 //!
-//! Every Pod here is made by the broker's identity in the sessions namespace, as the runtime will.
+//! Every Pod here is made in the sessions namespace by the administrator's identity: these are the
+//! node's properties, whoever asks. The broker's identity may make only the runtime's own worker
+//! Pods, as the admission policy admits them (tests/admission.rs); the runtime's tests make those.
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test node_smoke -- --ignored`.
 
@@ -82,7 +84,7 @@ async fn container_state(
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn a_restricted_worker_pod_runs_as_the_worker_uid_with_nothing_extra() {
     let cluster = TestCluster::connect().await;
-    let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = unique_name("worker");
     let running = start(&pods, &sleeper(&name)).await;
     let node = running
@@ -136,8 +138,8 @@ async fn a_restricted_worker_pod_runs_as_the_worker_uid_with_nothing_extra() {
 async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
-    let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.broker(), namespace);
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
     let claim = unique_name("data");
     claims
         .create(
@@ -210,7 +212,7 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_off_the_bridge() {
     let cluster = TestCluster::connect().await;
-    let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = unique_name("relay");
     // The image's own entrypoint: oab-relay serving on 0.0.0.0:7780, the test agent behind it.
     let mut relay = restricted_pod(&name, WORKER_IMAGE, &[]);
@@ -279,7 +281,7 @@ async fn the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_of
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn a_missing_image_is_reported_as_never_pulled() {
     let cluster = TestCluster::connect().await;
-    let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = unique_name("absent");
     let pod = restricted_pod(&name, "openab.dev/absent:test", &[]);
     pods.create(&PostParams::default(), &pod).await.expect("create");
@@ -298,7 +300,7 @@ async fn a_missing_image_is_reported_as_never_pulled() {
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn a_pod_over_its_memory_limit_is_oom_killed_and_says_so() {
     let cluster = TestCluster::connect().await;
-    let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = unique_name("hungry");
     // dd allocates its block size at once: 256 MiB against a 32 MiB limit.
     let mut pod = restricted_pod(
