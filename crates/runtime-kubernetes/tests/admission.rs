@@ -9,6 +9,8 @@
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test admission -- --ignored`.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use serde_json::json;
@@ -595,4 +597,49 @@ async fn the_controller_creates_no_worker_never_execs_and_is_bounded_like_the_br
         "the controller deleting an administrator's claim",
         deleted,
     );
+}
+
+/// With the exec overlay (`deploy/kubernetes-exec`), the broker's exec reaches a worker only as
+/// the relay's bridge: the runtime's own attach over exec works (the positive control), a shell
+/// in the same Pod is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn the_brokers_exec_runs_only_the_relay_bridge() {
+    use session_runtime::config::Reach;
+    use session_runtime::testing::AcpClient;
+    use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
+
+    let cluster = TestCluster::connect().await;
+    let installation = unique_name("exec-bounded");
+    let profile = common::AdminConfigMap::profile(&cluster, &installation, common::WORKER_PROFILE).await;
+    let runtime = common::runtime(&cluster, &profile, Reach::Exec, &installation);
+    let identity = SessionIdentity::new(&installation, "agent", "test", "exec").expect("identity");
+    let id = identity.id();
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach over the relay bridge"));
+    client.initialize().await.expect("the agent answers over exec");
+
+    let pods: Api<Pod> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let shell = pods
+        .exec(
+            &format!("oab-w-{id}"),
+            ["/bin/sh", "-c", "id"],
+            &test_cluster::kube::api::AttachParams::default()
+                .container("worker")
+                .stdout(true)
+                .stderr(false),
+        )
+        .await;
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    match shell {
+        Err(error) => assert!(
+            error.to_string().contains("403"),
+            "the policy refuses a shell: {error}"
+        ),
+        Ok(_) => panic!("the broker must not get a shell in a worker"),
+    }
 }
