@@ -113,9 +113,11 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Whether sandboxed sessions get a network.
+    /// What sandboxed sessions' network is. Unset, a sandboxed session gets a network namespace
+    /// of its own ([`LocalConfig::effective_network`]); [`NetworkMode::Host`] shares the host's
+    /// with every session, which the runtime logs at startup.
     pub fn network(mut self, network: NetworkMode) -> Self {
-        self.local.network = network;
+        self.local.network = Some(network);
         self
     }
 
@@ -264,7 +266,16 @@ impl LocalRuntimeBuilder {
             }
         }
         let egress = self.egress_settings()?;
-        let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
+        let detect = crate::sandbox::DetectOptions {
+            network_is_default: self.local.network.is_none(),
+            ..Default::default()
+        };
+        let sandbox = Sandbox::detect_with(
+            self.local.sandbox,
+            self.local.effective_network(),
+            &self.local.readonly,
+            &detect,
+        )?;
         // Checked, not created: reading sessions must not write; `create` makes the root.
         crate::root::check(&root)?;
         if sandbox.isolation() == IsolationLevel::None {
@@ -273,7 +284,15 @@ impl LocalRuntimeBuilder {
                 "the local session runtime runs without a sandbox: sessions are NOT isolated from each other"
             );
         } else {
-            tracing::info!(root = %root.display(), sandbox = %sandbox.kind(), "local session runtime ready");
+            tracing::info!(
+                root = %root.display(),
+                sandbox = %sandbox.kind(),
+                network = %sandbox.network(),
+                "local session runtime ready"
+            );
+        }
+        if let Some(shared) = sandbox.shared_network() {
+            tracing::warn!("{shared}");
         }
         let settings = LocalSettings {
             root,
@@ -299,7 +318,7 @@ impl LocalRuntimeBuilder {
             key: key.into(),
             reason,
         };
-        let network = self.local.network;
+        let network = self.local.effective_network();
         if !self.local.egress.is_empty() && network != NetworkMode::Allowlist {
             return Err(invalid(
                 "session_runtime.local.egress",
