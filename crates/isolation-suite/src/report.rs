@@ -312,7 +312,9 @@ pub struct IsolationReport {
     pub sessions: [SessionSummary; 2],
     /// Every probe, in the order run.
     pub probes: Vec<Probe>,
-    /// Steps that were not run (only step 7, when no shared input is configured).
+    /// Steps that were not run: step 7 when no shared input is configured, step 8 when
+    /// [`SuiteOptions::without_channel_probes`](crate::SuiteOptions::without_channel_probes)
+    /// says why.
     pub skipped: Vec<Skipped>,
     /// Problems removing the suite's own files at the end (they do not affect the verdict).
     pub cleanup_problems: Vec<String>,

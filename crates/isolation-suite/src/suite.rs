@@ -320,8 +320,15 @@ impl Suite<'_> {
         let planted_a = self.pass(&a, &status_a.storage_refs, &b, FORWARD).await;
         let planted_b = self.pass(&b, &status_b.storage_refs, &a, REVERSED).await;
         let shared_files = self.shared(&a, &b).await;
-        self.channels(&a, &b).await;
-        self.channels(&b, &a).await;
+        if let Some(why) = &self.options.skip_channels {
+            self.skipped.push(Skipped {
+                step: CHANNELS_STEP,
+                reason: why.clone(),
+            });
+        } else {
+            self.channels(&a, &b).await;
+            self.channels(&b, &a).await;
+        }
 
         self.cleanup(&a, &planted_a, &shared_files).await;
         self.cleanup(&b, &planted_b, &shared_files).await;

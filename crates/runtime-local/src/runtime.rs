@@ -312,6 +312,9 @@ impl LocalRuntime {
                 });
             }
         }
+        // Modes widened since create (by hand, a restore) would open the storage to other
+        // sessions' users: narrowed again before any worker sees it.
+        self.sandbox.repair_storage_modes(&id, &dirs, record.uid)?;
         // A missing agent fails here, alike in every mode, before anything changes.
         let agent = &self.settings.agent;
         if let Some(error) = self

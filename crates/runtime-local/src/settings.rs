@@ -257,6 +257,7 @@ impl LocalRuntimeBuilder {
         // Checked in every mode, so that a configuration means the same whatever the sandbox:
         // each entry exists and shows no session's storage.
         crate::sandbox::needs::check_apart_from(&crate::sandbox::needs::listed(&self.agent.needs)?, &root)?;
+        check_readonly_apart_from(&self.local.readonly, &root)?;
         if let Some(template) = &self.local.home_template {
             if !template.is_dir() {
                 return Err(invalid(
@@ -361,6 +362,36 @@ impl LocalRuntimeBuilder {
     }
 }
 
+/// Refuses a read-only input whose host path contains the session root or lies inside it, as
+/// `agent.needs` refuses such a path: it would show sessions' storage (or one session's) to
+/// every session, held back only by the modes of the directories in between.
+fn check_readonly_apart_from(readonly: &[ReadonlyMount], root: &Path) -> Result<()> {
+    let resolved = crate::sandbox::needs::resolved_as_far_as_it_exists;
+    let root = resolved(root);
+    for (index, mount) in readonly.iter().enumerate() {
+        let host = resolved(mount.host());
+        let problem = if root.starts_with(&host) {
+            "contains the session root"
+        } else if host.starts_with(&root) {
+            "lies inside the session root"
+        } else {
+            continue;
+        };
+        return Err(Error::InvalidConfig {
+            key: "session_runtime.local.readonly".to_owned(),
+            reason: format!(
+                "entry {} ({mount}): host path {} (resolved: {}) {problem} {}: it would show sessions' \
+                 storage to every session; choose a directory apart from the root",
+                index + 1,
+                mount.host().display(),
+                host.display(),
+                root.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn default_root() -> Option<PathBuf> {
     if rustix::process::geteuid().is_root() {
         return Some(PathBuf::from("/var/lib/openab/sessions"));
@@ -413,6 +444,41 @@ mod tests {
             .terminate_grace(LocalConfig::MAX_TERMINATE_GRACE)
             .build()
             .expect("the maximum itself is allowed");
+    }
+
+    #[test]
+    fn a_read_only_input_apart_from_the_session_root_only() {
+        let around = tempfile::tempdir().expect("dir");
+        let root = around.path().join("sessions");
+        let inside = root.join("some-session");
+        std::fs::create_dir_all(&inside).expect("mkdir");
+        let apart = tempfile::tempdir().expect("dir");
+        let build = |host: &Path| {
+            let mount = ReadonlyMount::new(host, "/skills").expect("mount");
+            LocalRuntime::builder(AgentCommand::new("agent"))
+                .root(&root)
+                .sandbox(SandboxMode::Landlock)
+                .readonly(vec![mount])
+                .build()
+        };
+        for (host, problem) in [
+            (root.as_path(), "contains the session root"),
+            (around.path(), "contains the session root"),
+            (inside.as_path(), "lies inside the session root"),
+        ] {
+            match build(host) {
+                Err(Error::InvalidConfig { key, reason }) => {
+                    assert_eq!(key, "session_runtime.local.readonly", "{reason}");
+                    assert!(reason.contains(problem), "{reason}");
+                }
+                other => panic!("{}: {other:?}", host.display()),
+            }
+        }
+        // The control: an input elsewhere gets past this check (to the sandbox's own, which may
+        // refuse it for other reasons on this machine, but not naming the root).
+        if let Err(Error::InvalidConfig { reason, .. }) = build(apart.path()) {
+            assert!(!reason.contains("session root"), "{reason}");
+        }
     }
 
     #[test]

@@ -191,21 +191,36 @@ fn shown_as_system(layout: &HostLayout, path: &Path) -> bool {
 ///
 /// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
 pub(super) fn check_showable(needed: &[Needed]) -> Result<(), Error> {
+    let replaced: Vec<&str> = REPLACED.iter().copied().chain([HOST_PROGRAMS]).collect();
+    check_not_under(
+        needed,
+        &replaced,
+        "the bubblewrap sandbox replaces it with its own, so the agent could not find it there",
+    )
+}
+
+/// The host directories that no sandbox shows to an agent as the host has them: bubblewrap
+/// replaces them with its own, so Landlock refuses them too, for a configuration to mean the
+/// same in both (granting the host's `/tmp` would show every file any user left there).
+pub(super) const HOST_PRIVATE: [&str; 3] = ["/tmp", "/proc", "/dev"];
+
+/// Refuses what the agent needs (besides its program and the program's directory) that lies
+/// under one of `directories`, saying `why`.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
+pub(super) fn check_not_under(needed: &[Needed], directories: &[&str], why: &str) -> Result<(), Error> {
     for need in needed {
         if matches!(need.why, Why::Command | Why::CommandDir) {
             continue;
         }
         for path in [&need.named, &need.real] {
-            let replaced = REPLACED
-                .iter()
-                .chain(&[HOST_PROGRAMS])
-                .find(|replaced| path.starts_with(replaced));
-            if let Some(replaced) = replaced {
+            if let Some(directory) = directories.iter().find(|directory| path.starts_with(directory)) {
                 return Err(invalid(
                     need.why.key(),
                     format!(
-                        "{} lies under {replaced}, which the bubblewrap sandbox replaces with its own, so \
-                         the agent could not find it there; install it elsewhere",
+                        "{} lies under {directory}: {why}; install it elsewhere",
                         path.display()
                     ),
                 ));

@@ -573,9 +573,10 @@ impl Sandbox {
     ///
     /// [`Error::InvalidConfig`] naming `agent.needs` or `agent.command`, with the path and why:
     /// it contains the session root or lies inside it; the session's user cannot reach it (as
-    /// [`needs::check_reachable`] says); or, with bubblewrap, it lies under a directory the
-    /// sandbox replaces with its own (`/tmp`, `/proc`, `/dev`, the session's paths), where it
-    /// cannot be shown at its path.
+    /// [`needs::check_reachable`] says); or it lies under a directory the sandbox replaces with
+    /// its own (`/tmp`, `/proc`, `/dev`, and with bubblewrap the session's paths), where it
+    /// cannot be shown at its path: Landlock refuses those too, so a configuration means the
+    /// same in both sandboxes.
     pub(crate) fn check_needs(
         &self,
         needed: &[needs::Needed],
@@ -586,8 +587,15 @@ impl Sandbox {
             return Ok(());
         }
         needs::check_apart_from(needed, root)?;
-        if self.kind() == SandboxKind::Bubblewrap {
-            bwrap::check_showable(needed)?;
+        match self.kind() {
+            SandboxKind::Bubblewrap => bwrap::check_showable(needed)?,
+            SandboxKind::Landlock => bwrap::check_not_under(
+                needed,
+                &bwrap::HOST_PRIVATE,
+                "the sandbox does not show it (bubblewrap replaces it with the session's own, and \
+                 landlock refuses it alike, since granting it would show the host's)",
+            )?,
+            SandboxKind::None => {}
         }
         let who = match uid {
             Some(uid) => needs::Who::Uid(uid),
@@ -693,6 +701,30 @@ impl Sandbox {
             }
         }
         storage::prepare(dirs, uid)
+    }
+
+    /// Makes the session's directories private again where their modes were widened since
+    /// [`Sandbox::prepare_storage`] (a `chmod 0777` would open one session's files to the
+    /// others' users), logging each at WARN with the mode it had; called before every worker
+    /// starts.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if a directory cannot be inspected or changed.
+    pub(crate) fn repair_storage_modes(
+        &self,
+        id: &SessionId,
+        dirs: &SessionDirs,
+        uid: Option<u32>,
+    ) -> Result<(), Error> {
+        for (dir, mode) in storage::repair_modes(dirs, uid)? {
+            tracing::warn!(
+                session = %id,
+                directory = %dir.display(),
+                "session storage was mode {mode:04o}, wider than the runtime gives it; made private again"
+            );
+        }
+        Ok(())
     }
 
     /// The command that runs `spec.program` with `spec.args` for the session, confined by this
