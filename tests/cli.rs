@@ -923,3 +923,23 @@ fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
         assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
     }
 }
+
+#[test]
+fn ls_shows_a_session_whose_start_failed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    // The control: a session whose agent started shows no failure.
+    let started = run_with_one_line(&config, "started", &[]);
+    assert!(started.status.success(), "{started:?}");
+    let missing = run_with_one_line(&config, "never-started", &["/no/such/dir/agent"]);
+    assert_eq!(missing.status.code(), Some(127), "{missing:?}");
+    let listing = ls(&config);
+    let failed: Vec<&str> = listing.lines().filter(|l| l.contains("start failed")).collect();
+    assert_eq!(failed.len(), 1, "only the session that never started:\n{listing}");
+    let columns: Vec<&str> = failed[0].split_whitespace().collect();
+    assert_eq!(columns[1..3], ["created", "0"], "{listing}");
+    assert!(
+        failed[0].contains("/no/such/dir/agent"),
+        "the error names the agent:\n{listing}"
+    );
+}
