@@ -274,9 +274,26 @@ async fn bubblewrap_with_the_host_network_shares_loopback_and_says_so() {
     let root = tempfile::tempdir().expect("root");
     let builder = common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap)
         .network(session_runtime::config::NetworkMode::Host);
-    let Some(runtime) = common::build_if_supported(builder, SandboxMode::Bubblewrap) else {
+    // The choice is said at startup: what the sessions share.
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let built = tracing::subscriber::with_default(subscriber, || {
+        common::build_if_supported(builder, SandboxMode::Bubblewrap)
+    });
+    let Some(runtime) = built else {
         return;
     };
+    let startup = log.text();
+    assert!(
+        startup.contains("WARN") && startup.contains("sessions share the host's network namespace"),
+        "{startup}"
+    );
     let options = SuiteOptions::new(INSTALLATION).with_extra_scan_path(root.path().display().to_string());
     let report = run_suite(&runtime, &options).await;
     assert!(
@@ -297,6 +314,48 @@ async fn bubblewrap_with_the_host_network_shares_loopback_and_says_so() {
 {report:#}"
     );
     assert_closed_and_gone(&runtime, &report, root.path()).await;
+}
+
+/// `network = "allowlist"` (here selected by `egress` alone): each session has a network
+/// namespace of its own behind its proxy, so neither reaches the other's abstract socket or
+/// loopback port, though a loopback port of the host is forwarded into both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bubblewrap_with_an_allowlist_shares_no_network() {
+    common::use_built_egress_forwarder();
+    let root = tempfile::tempdir().expect("root");
+    let model = std::net::TcpListener::bind("127.0.0.1:0").expect("a host port to forward");
+    let entry =
+        session_runtime::config::EgressTarget::parse(&model.local_addr().expect("address").to_string())
+            .expect("an egress entry");
+    let builder = common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap).egress(vec![entry]);
+    let Some(runtime) = common::build_if_supported(builder, SandboxMode::Bubblewrap) else {
+        return;
+    };
+    let options = SuiteOptions::new(INSTALLATION).with_extra_scan_path(root.path().display().to_string());
+    let report = run_suite(&runtime, &options).await;
+    assert_channels(&report, Verdict::Denied, Verdict::Denied);
+    assert!(report.passed(), "{report:#}");
+    assert_closed_and_gone(&runtime, &report, root.path()).await;
+}
+
+/// Log lines, captured.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log lock").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("log lock")).into_owned()
+    }
 }
 
 /// Whether this kernel enforces Landlock's scopes (ABI 6): a ruleset with them can be created.
