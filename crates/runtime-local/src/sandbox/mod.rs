@@ -21,8 +21,11 @@
 //! user, as upstream OpenAB runs it. Nothing is isolated, and [`Sandbox::isolation`] says so.
 //!
 //! **Bubblewrap**: the agent runs under `bwrap` in new pid, ipc and uts namespaces (and a new,
-//! empty network namespace with `network = "none"`; with `"allowlist"` too, where the
-//! `oab-egress-forward` helper of [`EgressLaunch`] starts first and executes the agent), in a new terminal session, killed when the
+//! empty network namespace with `network = "none"`, the default; with `"allowlist"` too, where the
+//! `oab-egress-forward` helper of [`EgressLaunch`] starts first and executes the agent; with
+//! `"host"`, the host's network namespace, where the agent is started through
+//! `oab-landlock-exec --scopes-only` when the kernel has Landlock's scopes, so sessions cannot
+//! connect to each other's abstract UNIX sockets), in a new terminal session, killed when the
 //! broker dies. Its root is an empty tmpfs holding only: the system directories read-only
 //! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
 //! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
