@@ -1195,6 +1195,26 @@ mod tests {
     }
 
     #[test]
+    fn refused_connections_are_denials_and_other_errors_are_not() {
+        for (errno, named) in [
+            (111, Errno::Other("ECONNREFUSED".to_owned())),
+            (1, Errno::EPERM),
+            (13, Errno::EACCES),
+            (101, Errno::Other("ENETUNREACH".to_owned())),
+        ] {
+            assert_eq!(
+                connect_refusal("refused", Some(errno)),
+                (Verdict::Denied, Some(named))
+            );
+        }
+        // A timeout says nothing about isolation: someone may listen there.
+        let (verdict, _) = connect_refusal("Connection timed out (os error 110)", Some(110));
+        assert!(matches!(verdict, Verdict::Inconclusive { .. }), "{verdict:?}");
+        let (verdict, _) = connect_refusal("no errno", None);
+        assert!(matches!(verdict, Verdict::Inconclusive { .. }), "{verdict:?}");
+    }
+
+    #[test]
     fn random_tokens_differ() {
         let a = random_hex(8);
         let b = random_hex(8);
