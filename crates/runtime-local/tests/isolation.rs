@@ -338,6 +338,39 @@ async fn bubblewrap_with_an_allowlist_shares_no_network() {
     assert_closed_and_gone(&runtime, &report, root.path()).await;
 }
 
+/// With `network` unset, a bubblewrap runtime says at startup that sessions have a network of
+/// their own, and the one setting that reaches a model (a user upgrading from `host` finds it).
+#[test]
+fn the_default_network_says_how_to_reach_a_model() {
+    let root = tempfile::tempdir().expect("root");
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let built = tracing::subscriber::with_default(subscriber, || {
+        common::build_if_supported(
+            common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap),
+            SandboxMode::Bubblewrap,
+        )
+    });
+    if built.is_none() {
+        return;
+    }
+    let startup = log.text();
+    assert!(
+        startup.contains("network namespace of its own") && startup.contains("egress = ["),
+        "{startup}"
+    );
+    assert!(
+        !startup.contains("share the host's network namespace"),
+        "{startup}"
+    );
+}
+
 /// Log lines, captured.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
