@@ -424,8 +424,19 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         parse_landlock_args(strings(&["--probe"])).expect("probe"),
         LandlockInvocation::Probe
     );
+    // What a bubblewrap sandbox on the host's network runs the agent through.
+    assert_eq!(
+        parse_landlock_args(strings(&["--scopes-only", "--", "agent", "--acp"])).expect("scopes"),
+        LandlockInvocation::ScopesOnly {
+            program: "agent".into(),
+            args: strings(&["--acp"]),
+        }
+    );
     for bad in [
-        &["--read", "relative", "--", "x"][..],
+        &["--scopes-only"][..],
+        &["--scopes-only", "agent"],
+        &["--scopes-only", "--"],
+        &["--read", "relative", "--", "x"],
         &["--uid", "-1", "--", "x"],
         &["--"],
         &["--bogus"],
