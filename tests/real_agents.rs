@@ -383,11 +383,14 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
             std::fs::set_permissions(work.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711))
                 .expect("chmod");
             let config = work.path().join("openab.toml");
+            // The fake model listens on the host's loopback, which a sandboxed session reaches
+            // only with the host's network (or a loopback `egress` entry and its forwarder).
             std::fs::write(
                 &config,
                 format!(
                     "{}[session_runtime]\ninstallation = \"real-agents\"\n\
-                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n\
+                     network = \"host\"\n",
                     agent_table(&agent),
                     work.path().join("sessions").display().to_string(),
                 ),

@@ -53,6 +53,8 @@
 mod directives;
 mod exec;
 mod rpc;
+#[cfg(target_os = "linux")]
+mod sockets;
 
 use std::collections::HashMap;
 use std::io;
@@ -93,6 +95,28 @@ use crate::rpc::Incoming;
 /// A relative `cwd` or a missing `command` is `-32602`; failing to start the
 /// shell (e.g. `cwd` does not exist) is `-32603`.
 pub const EXEC_METHOD: &str = "_openab/exec";
+
+/// Method name of the test-only listen extension request (Linux only).
+///
+/// Request params: `{"kind": "tcp" | "abstract", "address": "<IP:PORT> | <name>", "reply":
+/// "<text>"}`. The agent listens on the TCP address (port 0: a free port) or on the abstract
+/// UNIX socket of that name (without the leading NUL), from its own environment, uid and
+/// namespaces, and answers every connection with `reply`, then closes it, until it exits.
+///
+/// Result: `{"address": "<bound address>"}` (a TCP address with the port it got). Bad params are
+/// `-32602`; failing to listen is `-32603`.
+pub const LISTEN_METHOD: &str = "_openab/listen";
+
+/// Method name of the test-only connect extension request (Linux only).
+///
+/// Request params: `{"kind": "tcp" | "abstract", "address": "<IP:PORT> | <name>",
+/// "timeout_ms": <u64>?}` (default 5 s, at most 20 s). The agent connects from its own
+/// environment and reads until the other end closes.
+///
+/// Result: `{"connected": bool, "received": string, "error": string | null, "errno": i32 |
+/// null}`: a refused connection (`errno` 111 for `ECONNREFUSED`, 1 for `EPERM`) is a result. A
+/// malformed address is `-32603`.
+pub const CONNECT_METHOD: &str = "_openab/connect";
 
 /// Longest accepted input line; longer lines are skipped and answered with
 /// `-32600`.
@@ -499,6 +523,8 @@ impl Agent {
             self.reply(&id, outcome);
         } else if method == EXEC_METHOD {
             self.exec(id, params, tasks);
+        } else if method == LISTEN_METHOD || method == CONNECT_METHOD {
+            self.socket_probe(id, method == LISTEN_METHOD, params, tasks);
         } else {
             self.reply(
                 &id,
@@ -732,6 +758,37 @@ impl Agent {
         }
     }
 
+    /// [`LISTEN_METHOD`] (`listen`) or [`CONNECT_METHOD`], on a blocking thread: both use
+    /// `std`'s sockets, which name abstract UNIX sockets.
+    #[cfg(target_os = "linux")]
+    fn socket_probe(self: &Arc<Self>, id: Value, listen: bool, params: Value, tasks: &mut JoinSet<()>) {
+        let work: Box<dyn FnOnce() -> Result<Value, RpcError> + Send> = if listen {
+            match parse_params::<sockets::ListenParams>(params) {
+                Ok(params) => Box::new(move || sockets::listen(params).map_err(internal)),
+                Err(error) => return self.reply(&id, Err(error)),
+            }
+        } else {
+            match parse_params::<sockets::ConnectParams>(params) {
+                Ok(params) => Box::new(move || sockets::connect(params).map_err(internal)),
+                Err(error) => return self.reply(&id, Err(error)),
+            }
+        };
+        let agent = Arc::clone(self);
+        tasks.spawn(async move {
+            let outcome = tokio::task::spawn_blocking(work)
+                .await
+                .unwrap_or_else(|join| Err(internal(format!("the probe failed: {join}"))));
+            agent.reply(&id, outcome);
+        });
+    }
+
+    /// Socket probes need Linux (abstract sockets); elsewhere the methods are unknown.
+    #[cfg(not(target_os = "linux"))]
+    fn socket_probe(self: &Arc<Self>, id: Value, _listen: bool, _params: Value, _tasks: &mut JoinSet<()>) {
+        let error = RpcError::new(rpc::METHOD_NOT_FOUND, "socket probes need Linux".to_owned());
+        self.reply(&id, Err(error));
+    }
+
     fn exec(self: &Arc<Self>, id: Value, request: Value, tasks: &mut JoinSet<()>) {
         let request: exec::ExecParams = match parse_params(request) {
             Ok(request) => request,
@@ -756,6 +813,12 @@ impl Agent {
             agent.reply(&id, outcome);
         });
     }
+}
+
+/// An internal error (`-32603`) saying `why`.
+#[cfg(target_os = "linux")]
+fn internal(why: String) -> RpcError {
+    RpcError::new(rpc::INTERNAL_ERROR, why)
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! The isolation acceptance suite: the RFC's seven-step test that one session cannot reach
-//! another session's files, as library code any [`SessionRuntime`] can run.
+//! another session's files, plus an eighth step for the channels a shared network namespace
+//! opens between sessions (abstract UNIX sockets, loopback ports), as library code any
+//! [`SessionRuntime`] can run.
 //!
 //! Nothing here trusts the runtime's word. Every attempt is a real shell command run inside a
 //! session's own worker, through the ACP test agent's exec probe (`/bin/sh -c` in the agent's
@@ -61,6 +63,18 @@
 //!    (and [`SharedInput::expected_sha256`] if set); creating a file next to it and opening it
 //!    for writing must fail with `EROFS` or `EACCES` (or `EPERM`) in both. Without one, step 7
 //!    is reported as skipped, never as passed.
+//! 8. Each session in turn (A, then B) listens, from inside its worker, on an abstract UNIX socket
+//!    `@oab-sentinel-<token>-<side>` and on a free TCP port of `127.0.0.1`, each answering with a
+//!    secret, and must reach both itself (the positive control, [`Action::Listen`]; a failed
+//!    control makes the other session's probe inconclusive). The other session then connects to
+//!    both ([`Action::ConnectAbstract`], [`Action::ConnectLoopback`]): reading the secret is a
+//!    leak; `ECONNREFUSED` (nothing listens there: another network namespace), `EPERM`
+//!    (Landlock's scope), `EACCES` or `ENETUNREACH` is a denial. This uses the ACP test agent's
+//!    listen and connect probes (`_openab/listen`, `_openab/connect`) rather than a shell tool,
+//!    which a worker may lack. [`SuiteOptions::without_channel_probes`] skips it, with a reason
+//!    the report shows.
+//!
+//! The listeners of step 8 live in the agents' processes and end with them.
 //!
 //! At the end each session removes what the suite created in it, and both sessions are closed
 //! with [`CloseReason::Ended`](session_runtime::CloseReason::Ended), also when the run failed.
@@ -88,6 +102,9 @@
 //! | [`ReadShared`](Action::ReadShared) | both | `sha256sum -- 'F'` |
 //! | [`WriteShared`](Action::WriteShared) | both | `printf 'written by session A\n' > 'DIR/oab-sentinel-T-shared-a'` |
 //! | [`OverwriteShared`](Action::OverwriteShared) | both | `: >> 'F'` (opens for writing, writes nothing) |
+//! | [`Listen`](Action::Listen) | owner | `_openab/listen` on `@oab-sentinel-T-<side>` and `127.0.0.1:0`, then `_openab/connect` to each |
+//! | [`ConnectAbstract`](Action::ConnectAbstract) | attacker | `_openab/connect` to the owner's `@oab-sentinel-T-<side>` |
+//! | [`ConnectLoopback`](Action::ConnectLoopback) | attacker | `_openab/connect` to the owner's `127.0.0.1:PORT` |
 //! | clean-up | owner | `rm -f -- 'P'...; rm -rf -- 'R'` |
 //!
 //! Choices worth knowing:
@@ -124,7 +141,7 @@
 //! A `cat` whose output holds the sentinel's secret content is a leak whatever its exit code.
 //!
 //! [`IsolationReport::passed`] requires every probe to be [`Denied`](Verdict::Denied) or
-//! [`Held`](Verdict::Held); a skipped step 7 is allowed and shown in the report.
+//! [`Held`](Verdict::Held); a skipped step 7 or 8 is allowed and shown in the report.
 //!
 //! # HOME on runtimes that isolate nothing
 //!

@@ -77,6 +77,13 @@ pub enum Action {
     WriteShared,
     /// Step 7: a session tried to open the shared input's file for writing.
     OverwriteShared,
+    /// Step 8, the positive control of the channel probes: the owner listened on an abstract
+    /// UNIX socket and a loopback TCP port and reached both itself.
+    Listen,
+    /// Step 8: the attacker tried to connect to the owner's abstract UNIX socket.
+    ConnectAbstract,
+    /// Step 8: the attacker tried to connect to the owner's TCP port on the loopback address.
+    ConnectLoopback,
 }
 
 impl Action {
@@ -98,6 +105,9 @@ impl Action {
             Self::ReadShared => "read-shared",
             Self::WriteShared => "write-shared",
             Self::OverwriteShared => "overwrite-shared",
+            Self::Listen => "listen",
+            Self::ConnectAbstract => "connect-abstract",
+            Self::ConnectLoopback => "connect-loopback",
         }
     }
 }
@@ -302,7 +312,9 @@ pub struct IsolationReport {
     pub sessions: [SessionSummary; 2],
     /// Every probe, in the order run.
     pub probes: Vec<Probe>,
-    /// Steps that were not run (only step 7, when no shared input is configured).
+    /// Steps that were not run: step 7 when no shared input is configured, step 8 when
+    /// [`SuiteOptions::without_channel_probes`](crate::SuiteOptions::without_channel_probes)
+    /// says why.
     pub skipped: Vec<Skipped>,
     /// Problems removing the suite's own files at the end (they do not affect the verdict).
     pub cleanup_problems: Vec<String>,

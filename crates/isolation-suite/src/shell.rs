@@ -120,6 +120,109 @@ impl Worker {
     }
 }
 
+/// The ACP test agent's listen probe (`acp_test_agent::LISTEN_METHOD`).
+pub(crate) const LISTEN_METHOD: &str = "_openab/listen";
+/// The ACP test agent's connect probe (`acp_test_agent::CONNECT_METHOD`).
+pub(crate) const CONNECT_METHOD: &str = "_openab/connect";
+
+/// A channel between processes that the network namespace decides: what the step 8 probes
+/// listen on and connect to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Channel {
+    /// An abstract UNIX socket (`@name`): no file, visible to the whole network namespace.
+    Abstract,
+    /// A TCP port on `127.0.0.1`.
+    Loopback,
+}
+
+impl Channel {
+    /// The `kind` of the agent's probes.
+    pub(crate) fn kind(self) -> &'static str {
+        match self {
+            Channel::Abstract => "abstract",
+            Channel::Loopback => "tcp",
+        }
+    }
+
+    /// How the address is written in reports: `@name`, or `IP:PORT`.
+    pub(crate) fn display(self, address: &str) -> String {
+        match self {
+            Channel::Abstract => format!("@{address}"),
+            Channel::Loopback => address.to_owned(),
+        }
+    }
+}
+
+/// What a connect probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Connected {
+    /// Connected, and the other end sent this.
+    Received(String),
+    /// Refused, with the error and its errno when the kernel gave one.
+    Refused { error: String, errno: Option<i32> },
+}
+
+impl Worker {
+    /// Listens on `channel` at `address` (`127.0.0.1:0` for a free loopback port) from inside
+    /// this session's worker, answering each connection with `reply` until the worker ends.
+    /// Returns the bound address.
+    pub(crate) async fn listen(
+        &self,
+        channel: Channel,
+        address: &str,
+        reply: &str,
+    ) -> Result<String, String> {
+        let params = json!({ "kind": channel.kind(), "address": address, "reply": reply });
+        let value = self
+            .client
+            .request(LISTEN_METHOD, params)
+            .await
+            .map_err(|e| format!("the listen request to session {} failed: {e}", self.side))?;
+        value
+            .get("address")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                format!(
+                    "the listen request to session {} returned no address: {value}",
+                    self.side
+                )
+            })
+    }
+
+    /// Connects to `channel` at `address` from inside this session's worker and reads what the
+    /// other end sends, within `limit`. `Err` when the request itself failed.
+    pub(crate) async fn connect(
+        &self,
+        channel: Channel,
+        address: &str,
+        limit: Duration,
+    ) -> Result<Connected, String> {
+        let millis = u64::try_from(limit.min(MAX_COMMAND_TIME).as_millis()).unwrap_or(u64::MAX);
+        let params = json!({ "kind": channel.kind(), "address": address, "timeout_ms": millis });
+        let value = self
+            .client
+            .request(CONNECT_METHOD, params)
+            .await
+            .map_err(|e| format!("the connect request to session {} failed: {e}", self.side))?;
+        let text = |key: &str| value.get(key).and_then(Value::as_str).unwrap_or("").to_owned();
+        match value.get("connected").and_then(Value::as_bool) {
+            Some(true) => Ok(Connected::Received(text("received"))),
+            Some(false) => Ok(Connected::Refused {
+                error: text("error"),
+                errno: value
+                    .get("errno")
+                    .and_then(Value::as_i64)
+                    .and_then(|v| i32::try_from(v).ok()),
+            }),
+            None => Err(format!(
+                "the connect request to session {} returned {value}",
+                self.side
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

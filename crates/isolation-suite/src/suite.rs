@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::host::{self, Expect};
 use crate::mounts::writable_mounts;
-use crate::shell::{first_line, join, quote, Output, Worker};
+use crate::shell::{first_line, join, quote, Channel, Connected, Output, Worker};
 use crate::{
     Action, Errno, GitSentinel, IsolationReport, Probe, Sentinel, SentinelKind, SessionSummary, Side,
     Skipped, SuiteError, SuiteOptions, Verdict,
@@ -53,6 +53,12 @@ const REVERSED: Steps = Steps {
 
 /// The shared-input step.
 const SHARED_STEP: u8 = 7;
+
+/// The channels step: abstract UNIX sockets and loopback ports, in both directions.
+const CHANNELS_STEP: u8 = 8;
+
+/// How long a connect probe waits for the listener's reply.
+const CONNECT_TIME: Duration = Duration::from_secs(5);
 
 /// What an owner planted in one pass.
 #[derive(Debug, Default)]
@@ -314,6 +320,15 @@ impl Suite<'_> {
         let planted_a = self.pass(&a, &status_a.storage_refs, &b, FORWARD).await;
         let planted_b = self.pass(&b, &status_b.storage_refs, &a, REVERSED).await;
         let shared_files = self.shared(&a, &b).await;
+        if let Some(why) = &self.options.skip_channels {
+            self.skipped.push(Skipped {
+                step: CHANNELS_STEP,
+                reason: why.clone(),
+            });
+        } else {
+            self.channels(&a, &b).await;
+            self.channels(&b, &a).await;
+        }
 
         self.cleanup(&a, &planted_a, &shared_files).await;
         self.cleanup(&b, &planted_b, &shared_files).await;
@@ -959,6 +974,121 @@ impl Suite<'_> {
         created
     }
 
+    /// Step 8, one direction: `owner` listens on an abstract UNIX socket and a loopback TCP port,
+    /// each answering with a secret, and must reach both itself (the positive control: a
+    /// listener that cannot be reached from its own session proves nothing about the other);
+    /// then `attacker` connects to both. Receiving the secret is a leak; a refusal
+    /// (`ECONNREFUSED`, `EPERM`, `EACCES`, `ENETUNREACH`) is a denial. The listeners live until
+    /// the owner's worker ends.
+    async fn channels(&mut self, owner: &Worker, attacker: &Worker) {
+        let token = random_hex(8);
+        let secret = format!("oab-sentinel-{token}-secret-of-session-{}", owner.side);
+        let probes = [
+            (
+                Channel::Abstract,
+                format!("oab-sentinel-{token}-{}", owner.side.lower()),
+                Action::ConnectAbstract,
+            ),
+            (
+                Channel::Loopback,
+                "127.0.0.1:0".to_owned(),
+                Action::ConnectLoopback,
+            ),
+        ];
+        for (channel, asked, action) in probes {
+            let listen = format!(
+                "{} kind={} address={asked} in {owner_side}, then {} to it from {owner_side}",
+                crate::shell::LISTEN_METHOD,
+                channel.kind(),
+                crate::shell::CONNECT_METHOD,
+                owner_side = owner.side
+            );
+            let listened = owner.listen(channel, &asked, &secret).await;
+            let control = match &listened {
+                Ok(address) => owner.connect(channel, address, CONNECT_TIME).await,
+                Err(why) => Err(why.clone()),
+            };
+            let (target, control_verdict) = match (&listened, &control) {
+                (Ok(address), Ok(Connected::Received(text))) if *text == secret => (
+                    channel.display(address),
+                    held(format!("{} reached its own listener", owner.side)),
+                ),
+                (Ok(address), Ok(other)) => (
+                    channel.display(address),
+                    Verdict::Inconclusive {
+                        why: format!("the owner could not reach its own listener: {other:?}"),
+                    },
+                ),
+                (Ok(address), Err(why)) => (
+                    channel.display(address),
+                    Verdict::Inconclusive { why: why.clone() },
+                ),
+                (Err(why), _) => (
+                    channel.display(&asked),
+                    Verdict::Inconclusive { why: why.clone() },
+                ),
+            };
+            let control_passed = control_verdict.is_pass();
+            self.record(
+                At(CHANNELS_STEP, owner.side, Action::Listen),
+                &target,
+                &listen,
+                None,
+                control_verdict,
+            );
+            let address = match (&listened, control_passed) {
+                (Ok(address), true) => address.clone(),
+                _ => {
+                    let why =
+                        "the positive control failed: the owner's listener is not known to work".to_owned();
+                    self.record(
+                        At(CHANNELS_STEP, attacker.side, action),
+                        &target,
+                        "(not run)",
+                        None,
+                        Verdict::Inconclusive { why },
+                    );
+                    continue;
+                }
+            };
+            let command = format!(
+                "{} kind={} address={address} from {}",
+                crate::shell::CONNECT_METHOD,
+                channel.kind(),
+                attacker.side
+            );
+            let (verdict, errno) = match attacker.connect(channel, &address, CONNECT_TIME).await {
+                Ok(Connected::Received(text)) if text.contains(&secret) => (
+                    Verdict::Leaked {
+                        evidence: format!("received {}'s secret from {target}", owner.side),
+                    },
+                    None,
+                ),
+                Ok(Connected::Received(text)) => (
+                    Verdict::Inconclusive {
+                        why: format!(
+                            "connected to {target}, but something else answered: {:?}",
+                            first_line(&text)
+                        ),
+                    },
+                    None,
+                ),
+                Ok(Connected::Refused { error, errno }) => connect_refusal(&error, errno),
+                Err(why) => (Verdict::Inconclusive { why }, None),
+            };
+            self.probes.push(Probe {
+                step: CHANNELS_STEP,
+                from: attacker.side,
+                target,
+                action,
+                command,
+                exit_code: None,
+                errno,
+                verdict,
+            });
+        }
+    }
+
     /// Removes, inside the session that made them, every file and repository the suite created
     /// there (best effort; problems are noted in the report).
     async fn cleanup(&mut self, owner: &Worker, planted: &Planted, shared_files: &[(Side, String)]) {
@@ -991,6 +1121,30 @@ impl Suite<'_> {
                 .push(format!("session {}: {why}", owner.side)),
         }
     }
+}
+
+/// The verdict on a refused connection: `ECONNREFUSED` (nothing listens there: another network
+/// namespace), `EPERM` (Landlock's scope), `EACCES` or `ENETUNREACH` are denials; anything
+/// else is inconclusive.
+fn connect_refusal(error: &str, errno: Option<i32>) -> (Verdict, Option<Errno>) {
+    const EPERM: i32 = 1;
+    const EACCES: i32 = 13;
+    const ENETUNREACH: i32 = 101;
+    const ECONNREFUSED: i32 = 111;
+    let named = match errno {
+        Some(EPERM) => Some(Errno::EPERM),
+        Some(EACCES) => Some(Errno::EACCES),
+        Some(ENETUNREACH) => Some(Errno::Other("ENETUNREACH".to_owned())),
+        Some(ECONNREFUSED) => Some(Errno::Other("ECONNREFUSED".to_owned())),
+        _ => Errno::from_stderr(error),
+    };
+    let verdict = match errno {
+        Some(EPERM | EACCES | ENETUNREACH | ECONNREFUSED) => Verdict::Denied,
+        _ => Verdict::Inconclusive {
+            why: format!("not a refusal: {error}"),
+        },
+    };
+    (verdict, named)
 }
 
 /// Each in-worker path, then its host path where that differs.
@@ -1038,6 +1192,26 @@ mod tests {
             Some(commit.to_owned())
         );
         assert_eq!(parse_commit("main"), None);
+    }
+
+    #[test]
+    fn refused_connections_are_denials_and_other_errors_are_not() {
+        for (errno, named) in [
+            (111, Errno::Other("ECONNREFUSED".to_owned())),
+            (1, Errno::EPERM),
+            (13, Errno::EACCES),
+            (101, Errno::Other("ENETUNREACH".to_owned())),
+        ] {
+            assert_eq!(
+                connect_refusal("refused", Some(errno)),
+                (Verdict::Denied, Some(named))
+            );
+        }
+        // A timeout says nothing about isolation: someone may listen there.
+        let (verdict, _) = connect_refusal("Connection timed out (os error 110)", Some(110));
+        assert!(matches!(verdict, Verdict::Inconclusive { .. }), "{verdict:?}");
+        let (verdict, _) = connect_refusal("no errno", None);
+        assert!(matches!(verdict, Verdict::Inconclusive { .. }), "{verdict:?}");
     }
 
     #[test]

@@ -161,6 +161,27 @@ async fn detects_every_kind_of_leak_on_a_runtime_that_isolates_nothing() {
     assert_eq!(report.skipped.len(), 1);
     assert_eq!(report.skipped[0].step, 7);
 
+    // Step 8: one network namespace, nothing scoped: each session's abstract socket and loopback
+    // port answer the other with their secret, after the owner's own positive control held.
+    for (owner, attacker) in [(Side::A, Side::B), (Side::B, Side::A)] {
+        let controls: Vec<&Probe> = report
+            .probes
+            .iter()
+            .filter(|p| p.step == 8 && p.from == owner && p.action == Action::Listen)
+            .collect();
+        assert_eq!(controls.len(), 2, "{report:#}");
+        assert!(controls.iter().all(|p| p.verdict.is_pass()), "{report:#}");
+        for action in [Action::ConnectAbstract, Action::ConnectLoopback] {
+            let found: Vec<&Probe> = report
+                .probes
+                .iter()
+                .filter(|p| p.step == 8 && p.from == attacker && p.action == action)
+                .collect();
+            assert_eq!(found.len(), 1, "{action} from {attacker}:\n{report:#}");
+            assert_leaked(found[0], &format!("{owner}'s secret"));
+        }
+    }
+
     // The report names what leaked.
     let text = report.to_string();
     assert!(text.contains("FAILED"), "{text}");

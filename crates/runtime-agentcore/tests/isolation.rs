@@ -33,8 +33,12 @@ async fn two_agentcore_sessions_cannot_touch_each_other() {
         IsolationLevel::Namespaces,
         "the emulator must sandbox its workers (install bubblewrap): it reports {sandbox}"
     );
-    let options =
-        SuiteOptions::new(common::INSTALLATION).with_shared_input(SharedInput::new(skill.to_string_lossy()));
+    let options = SuiteOptions::new(common::INSTALLATION)
+        .with_shared_input(SharedInput::new(skill.to_string_lossy()))
+        .without_channel_probes(
+            "the emulator runs each microVM as a local sandbox on the host's network, so that it \
+             can reach the worker's relay; a real AgentCore microVM has a network of its own",
+        );
     let report = isolation_suite::run(
         std::sync::Arc::clone(&harness.runtime) as std::sync::Arc<_>,
         &options,
@@ -42,7 +46,13 @@ async fn two_agentcore_sessions_cannot_touch_each_other() {
     .await
     .expect("the suite runs");
     println!("{report}");
-    assert!(report.skipped.is_empty(), "every step runs: {:?}", report.skipped);
+    let skipped: Vec<u8> = report.skipped.iter().map(|s| s.step).collect();
+    assert_eq!(
+        skipped,
+        [8],
+        "every step but the network's runs: {:?}",
+        report.skipped
+    );
     let problems: Vec<_> = report.problems().collect();
     assert!(
         report.passed(),

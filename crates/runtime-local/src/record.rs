@@ -26,8 +26,8 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use session_runtime::{
-    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionState, SessionStatus, StorageState,
-    SuspendReason, WorkerInfo,
+    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionState, SessionStatus, StartFailure,
+    StorageState, SuspendReason, WorkerInfo,
 };
 
 use crate::process::ProcessRef;
@@ -103,6 +103,10 @@ pub(crate) struct SessionRecord {
     pub(crate) evidence: DirEvidence,
     pub(crate) uid: Option<u32>,
     pub(crate) worker: Option<WorkerRecord>,
+    /// Why the last attempt to start a worker failed; cleared when one starts. Absent from
+    /// records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) last_start_failure: Option<StartFailure>,
 }
 
 impl SessionRecord {
@@ -129,6 +133,7 @@ impl SessionRecord {
             evidence,
             uid: None,
             worker: None,
+            last_start_failure: None,
         }
     }
 
@@ -153,6 +158,7 @@ impl SessionRecord {
         status.suspend_reason = self.suspend_reason;
         status.close_reason = self.close_reason;
         status.storage_refs = storage_refs;
+        status.last_start_failure.clone_from(&self.last_start_failure);
         status
     }
 

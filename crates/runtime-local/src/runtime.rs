@@ -14,7 +14,7 @@ use rustix::process::Signal;
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
     ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
-    SessionState, SessionStatus, StorageState, SuspendReason, WorkerFailure, WorkspaceSeed,
+    SessionState, SessionStatus, StartFailure, StorageState, SuspendReason, WorkerFailure, WorkspaceSeed,
 };
 
 use crate::egress::EgressProxy;
@@ -312,6 +312,9 @@ impl LocalRuntime {
                 });
             }
         }
+        // Modes widened since create (by hand, a restore) would open the storage to other
+        // sessions' users: narrowed again before any worker sees it.
+        self.sandbox.repair_storage_modes(&id, &dirs, record.uid)?;
         // A missing agent fails here, alike in every mode, before anything changes.
         let agent = &self.settings.agent;
         if let Some(error) = self
@@ -351,6 +354,7 @@ impl LocalRuntime {
         let generation = record.generation;
         record.phase = Phase::Session(SessionState::Running);
         record.suspend_reason = None;
+        record.last_start_failure = None;
         record.last_activity = SystemTime::now();
         record.worker = Some(WorkerRecord {
             generation,
@@ -477,6 +481,32 @@ impl LocalRuntime {
     }
 
     /// Records that the worker of `record`'s new generation did not start.
+    /// Records in the session's record that `attach` could not start a worker, with `error`, so
+    /// `status` and `ls` show it (a session whose first start failed would otherwise look like a
+    /// fresh `created` one). Errors that are not about starting a worker (no such session, a
+    /// state that cannot attach, a fenced or busy one) are not recorded. Called with the
+    /// session's lock held; a failure to record is logged, never returned over `error`.
+    fn note_start_failure(&self, id: &SessionId, error: &Error) {
+        if !matches!(
+            error,
+            Error::WorkerFailed { .. } | Error::InvalidConfig { .. } | Error::Backend { .. }
+        ) {
+            return;
+        }
+        let mut record = match self.load(id) {
+            Ok(Some(record)) if record.state().can_attach() => record,
+            _ => return,
+        };
+        record.last_start_failure = Some(StartFailure::new(
+            SystemTime::now(),
+            record.generation,
+            error.to_string(),
+        ));
+        if let Err(store) = self.store(&record) {
+            tracing::warn!(session = %id, "recording a failed start: {store}");
+        }
+    }
+
     fn record_not_started(&self, record: &mut SessionRecord) -> Result<()> {
         record.phase = Phase::Session(SessionState::Suspended);
         record.worker = None;
@@ -1041,7 +1071,11 @@ impl SessionRuntime for LocalRuntime {
     async fn attach(&self, id: &SessionId) -> Result<Attachment> {
         let slot = self.slot(id);
         let mut held = slot.held.lock().await;
-        self.attach_locked(*id, &mut held).await
+        let attached = self.attach_locked(*id, &mut held).await;
+        if let Err(error) = &attached {
+            self.note_start_failure(id, error);
+        }
+        attached
     }
 
     async fn suspend(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {

@@ -113,9 +113,11 @@ impl LocalRuntimeBuilder {
         self
     }
 
-    /// Whether sandboxed sessions get a network.
+    /// What sandboxed sessions' network is. Unset, a sandboxed session gets a network namespace
+    /// of its own ([`LocalConfig::effective_network`]); [`NetworkMode::Host`] shares the host's
+    /// with every session, which the runtime logs at startup.
     pub fn network(mut self, network: NetworkMode) -> Self {
-        self.local.network = network;
+        self.local.network = Some(network);
         self
     }
 
@@ -255,6 +257,7 @@ impl LocalRuntimeBuilder {
         // Checked in every mode, so that a configuration means the same whatever the sandbox:
         // each entry exists and shows no session's storage.
         crate::sandbox::needs::check_apart_from(&crate::sandbox::needs::listed(&self.agent.needs)?, &root)?;
+        check_readonly_apart_from(&self.local.readonly, &root)?;
         if let Some(template) = &self.local.home_template {
             if !template.is_dir() {
                 return Err(invalid(
@@ -264,7 +267,16 @@ impl LocalRuntimeBuilder {
             }
         }
         let egress = self.egress_settings()?;
-        let sandbox = Sandbox::detect(self.local.sandbox, self.local.network, &self.local.readonly)?;
+        let detect = crate::sandbox::DetectOptions {
+            network_is_default: self.local.network.is_none(),
+            ..Default::default()
+        };
+        let sandbox = Sandbox::detect_with(
+            self.local.sandbox,
+            self.local.effective_network(),
+            &self.local.readonly,
+            &detect,
+        )?;
         // Checked, not created: reading sessions must not write; `create` makes the root.
         crate::root::check(&root)?;
         if sandbox.isolation() == IsolationLevel::None {
@@ -273,7 +285,24 @@ impl LocalRuntimeBuilder {
                 "the local session runtime runs without a sandbox: sessions are NOT isolated from each other"
             );
         } else {
-            tracing::info!(root = %root.display(), sandbox = %sandbox.kind(), "local session runtime ready");
+            tracing::info!(
+                root = %root.display(),
+                sandbox = %sandbox.kind(),
+                network = %sandbox.network(),
+                "local session runtime ready"
+            );
+        }
+        if let Some(shared) = sandbox.shared_network() {
+            tracing::warn!("{shared}");
+        } else if self.local.network.is_none() && sandbox.network() == NetworkMode::None {
+            // The default changed in 0.3 (it was `host`): an agent that reached its model before
+            // and cannot now finds the reason and the fix here.
+            tracing::info!(
+                "network unset: each session has a network namespace of its own, loopback only (the \
+                 default since 0.3, which was \"host\"); list what agents must reach in egress, e.g. \
+                 egress = [\"api.openai.com:443\"], or set network = \"host\" to share the host's with \
+                 every session"
+            );
         }
         let settings = LocalSettings {
             root,
@@ -299,7 +328,7 @@ impl LocalRuntimeBuilder {
             key: key.into(),
             reason,
         };
-        let network = self.local.network;
+        let network = self.local.effective_network();
         if !self.local.egress.is_empty() && network != NetworkMode::Allowlist {
             return Err(invalid(
                 "session_runtime.local.egress",
@@ -340,6 +369,36 @@ impl LocalRuntimeBuilder {
             forwarder,
         }))
     }
+}
+
+/// Refuses a read-only input whose host path contains the session root or lies inside it, as
+/// `agent.needs` refuses such a path: it would show sessions' storage (or one session's) to
+/// every session, held back only by the modes of the directories in between.
+fn check_readonly_apart_from(readonly: &[ReadonlyMount], root: &Path) -> Result<()> {
+    let resolved = crate::sandbox::needs::resolved_as_far_as_it_exists;
+    let root = resolved(root);
+    for (index, mount) in readonly.iter().enumerate() {
+        let host = resolved(mount.host());
+        let problem = if root.starts_with(&host) {
+            "contains the session root"
+        } else if host.starts_with(&root) {
+            "lies inside the session root"
+        } else {
+            continue;
+        };
+        return Err(Error::InvalidConfig {
+            key: "session_runtime.local.readonly".to_owned(),
+            reason: format!(
+                "entry {} ({mount}): host path {} (resolved: {}) {problem} {}: it would show sessions' \
+                 storage to every session; choose a directory apart from the root",
+                index + 1,
+                mount.host().display(),
+                host.display(),
+                root.display()
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn default_root() -> Option<PathBuf> {
@@ -394,6 +453,41 @@ mod tests {
             .terminate_grace(LocalConfig::MAX_TERMINATE_GRACE)
             .build()
             .expect("the maximum itself is allowed");
+    }
+
+    #[test]
+    fn a_read_only_input_apart_from_the_session_root_only() {
+        let around = tempfile::tempdir().expect("dir");
+        let root = around.path().join("sessions");
+        let inside = root.join("some-session");
+        std::fs::create_dir_all(&inside).expect("mkdir");
+        let apart = tempfile::tempdir().expect("dir");
+        let build = |host: &Path| {
+            let mount = ReadonlyMount::new(host, "/skills").expect("mount");
+            LocalRuntime::builder(AgentCommand::new("agent"))
+                .root(&root)
+                .sandbox(SandboxMode::Landlock)
+                .readonly(vec![mount])
+                .build()
+        };
+        for (host, problem) in [
+            (root.as_path(), "contains the session root"),
+            (around.path(), "contains the session root"),
+            (inside.as_path(), "lies inside the session root"),
+        ] {
+            match build(host) {
+                Err(Error::InvalidConfig { key, reason }) => {
+                    assert_eq!(key, "session_runtime.local.readonly", "{reason}");
+                    assert!(reason.contains(problem), "{reason}");
+                }
+                other => panic!("{}: {other:?}", host.display()),
+            }
+        }
+        // The control: an input elsewhere gets past this check (to the sandbox's own, which may
+        // refuse it for other reasons on this machine, but not naming the root).
+        if let Err(Error::InvalidConfig { reason, .. }) = build(apart.path()) {
+            assert!(!reason.contains("session root"), "{reason}");
+        }
     }
 
     #[test]

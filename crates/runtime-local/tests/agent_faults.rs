@@ -11,6 +11,9 @@
 //!   process group and session, cleared its environment (no worker marker) and was orphaned (its
 //!   parent is gone) is killed when the session is suspended.
 //! - [`an_agent_killed_by_its_memory_limit_ended_out_of_memory`]: plain and bubblewrap.
+//! - [`a_failed_start_is_shown_in_status_until_a_worker_starts`]: a session whose first start
+//!   failed stays `created` at generation 0, and its status says why, in every mode; the next
+//!   worker that starts clears it.
 //!
 //! The cgroup tests need a broker that may create cgroups (root here); elsewhere they say so and
 //! pass without checking.
@@ -325,5 +328,68 @@ async fn an_agent_killed_by_its_memory_limit_ended_out_of_memory() {
             .close(&id, session_runtime::CloseReason::Reset)
             .await
             .expect("close");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_start_is_shown_in_status_until_a_worker_starts() {
+    common::use_built_landlock_helper();
+    for mode in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = tempfile::tempdir().expect("root");
+        let build = |agent: AgentCommand| {
+            let builder = runtime_local::LocalRuntime::builder(agent)
+                .root(root.path())
+                .installation("failed-start")
+                .sandbox(mode);
+            common::build_if_supported(builder, mode)
+        };
+        let Some(broken) = build(AgentCommand::new("/no/such/dir/agent")) else {
+            continue;
+        };
+        let identity = SessionIdentity::new("failed-start", "agent", "discord", "t").expect("identity");
+        let id = identity.id();
+        broken
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        // The control: a fresh session shows no failure.
+        assert_eq!(broken.status(&id).await.expect("status").last_start_failure, None);
+        let error = broken
+            .attach(&id)
+            .await
+            .expect_err("a missing agent cannot start");
+        let status = broken.status(&id).await.expect("status");
+        assert_eq!(
+            (status.state, status.generation),
+            (SessionState::Created, 0),
+            "{mode}"
+        );
+        let failure = status
+            .last_start_failure
+            .unwrap_or_else(|| panic!("{mode}: the failed start is not shown"));
+        assert_eq!(failure.generation, 0, "{mode}");
+        assert_eq!(failure.error, error.to_string(), "{mode}");
+        let listed = broken.list().await.expect("list");
+        assert!(
+            listed
+                .iter()
+                .any(|s| s.id == id && s.last_start_failure.is_some()),
+            "{mode}: list shows it too"
+        );
+
+        // Fixed (the agent installed): the next start clears it.
+        let fixed = build(common::test_agent()).expect("the same mode builds");
+        let attachment = fixed.attach(&id).await.expect("attach");
+        let status = fixed.status(&id).await.expect("status");
+        drop(attachment);
+        fixed
+            .close(&id, session_runtime::CloseReason::Ended)
+            .await
+            .expect("close");
+        assert_eq!(
+            status.last_start_failure, None,
+            "{mode}: a started worker clears it"
+        );
+        assert_eq!(status.generation, 1, "{mode}");
     }
 }

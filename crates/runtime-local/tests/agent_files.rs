@@ -311,3 +311,49 @@ async fn what_the_agent_needs_never_shows_the_session_root() {
         );
     }
 }
+
+/// `needs` naming a directory bubblewrap replaces with the session's own (`/tmp`, `/proc`,
+/// `/dev`) is refused at create in both sandboxes, so a configuration means the same in each:
+/// Landlock would otherwise grant the host's `/tmp`, and the agent would list every file there.
+/// A need elsewhere is the control: it creates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_need_under_a_directory_the_sandbox_replaces_is_refused_in_every_sandbox() {
+    let install = install_dir("host-private-needs-");
+    let program = install.path().join("agent.sh");
+    write(&program, "#!/bin/sh\necho started\n", 0o755);
+    let library = install_dir("host-private-control-");
+    for mode in [SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        for private in ["/tmp", "/proc", "/dev"] {
+            // Not under /tmp, which would contain the root: that is refused for another reason.
+            let root = install_dir("host-private-root-");
+            chmod(root.path(), 0o711);
+            let agent = AgentCommand::new(program.display().to_string()).needs(private);
+            let Some(runtime) = runtime(agent, root.path(), mode) else {
+                break;
+            };
+            let created = runtime
+                .create(&identity("host-private"), &CreateOptions::new())
+                .await;
+            let reason = config_error(created, "agent.needs", &format!("{mode}: needs {private}"));
+            assert!(
+                reason.contains(&format!("lies under {private}")),
+                "{mode}: {reason}"
+            );
+        }
+        let root = install_dir("host-private-root-");
+        chmod(root.path(), 0o711);
+        let agent = AgentCommand::new(program.display().to_string()).needs(library.path());
+        let Some(runtime) = runtime(agent, root.path(), mode) else {
+            continue;
+        };
+        let thread = identity("host-private-control");
+        runtime
+            .create(&thread, &CreateOptions::new())
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: a need elsewhere creates: {e}"));
+        runtime
+            .close(&thread.id(), CloseReason::Ended)
+            .await
+            .expect("close");
+    }
+}

@@ -219,8 +219,8 @@ async fn one_sessions_allowlist_opens_nothing_for_another_and_refusals_are_logge
     }
 }
 
-#[test]
-fn allowlist_needs_a_sandbox_with_namespaces() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowlist_needs_a_sandbox_with_namespaces_and_egress_alone_selects_it() {
     common::use_built_egress_forwarder();
     common::use_built_landlock_helper();
     let root = tempfile::tempdir().expect("root");
@@ -245,12 +245,36 @@ fn allowlist_needs_a_sandbox_with_namespaces() {
             other => panic!("{mode}: allowlist accepted: {other:?}"),
         }
     }
-    // A list without the mode that uses it is a mistake, not ignored.
+    // A list with another mode chosen is a mistake, not ignored.
     match common::builder(root.path(), "egress", SandboxMode::Bubblewrap)
-        .egress(egress)
+        .network(NetworkMode::Host)
+        .egress(egress.clone())
         .build()
     {
         Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "session_runtime.local.egress"),
-        other => panic!("egress without allowlist accepted: {other:?}"),
+        other => panic!("egress with network = \"host\" accepted: {other:?}"),
     }
+    // Without a network mode, a list is the one setting that selects the allowlist: the agent
+    // is given its proxy.
+    common::use_built_egress_forwarder();
+    let Some(runtime) = common::build_if_supported(
+        common::builder(root.path(), "egress", SandboxMode::Bubblewrap).egress(egress),
+        SandboxMode::Bubblewrap,
+    ) else {
+        return;
+    };
+    let identity = SessionIdentity::new("egress", "agent", "discord", "only-egress").expect("identity");
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    let client = AcpClient::new(runtime.attach(&identity.id()).await.expect("attach"));
+    client.initialize().await.expect("initialize");
+    let proxy = shell(&client, "printenv HTTPS_PROXY").await;
+    drop(client);
+    runtime
+        .close(&identity.id(), CloseReason::Ended)
+        .await
+        .expect("close");
+    assert_eq!(proxy, ("http://127.0.0.1:3128".to_owned(), Some(0)));
 }

@@ -20,6 +20,9 @@
 //!   other process of the host (in a process group of its own) is the session's worker, started
 //!   by a broker that is gone: `reconcile`, `attach` and `close` never signal it.
 //! - [`a_reconcile_lock_planted_as_a_link_is_an_error_and_its_target_is_untouched`].
+//! - [`session_directories_whose_modes_were_widened_are_made_private_again`]: a session's
+//!   directories chmodded 0777 after create are narrowed back before its next worker starts, in
+//!   every mode this machine runs.
 
 mod common;
 
@@ -560,4 +563,55 @@ async fn a_reconcile_lock_planted_as_a_link_is_an_error_and_its_target_is_untouc
         other => panic!("reconcile through a planted lock link: unexpected {other:?}"),
     }
     assert_eq!(std::fs::read_to_string(&victim).expect("victim"), "precious\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_directories_whose_modes_were_widened_are_made_private_again() {
+    use std::os::unix::fs::PermissionsExt;
+    common::use_built_landlock_helper();
+    let mode_of = |path: &Path| {
+        std::fs::symlink_metadata(path)
+            .expect("metadata")
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    for sandbox in [SandboxMode::None, SandboxMode::Bubblewrap, SandboxMode::Landlock] {
+        let root = tempfile::tempdir().expect("root");
+        let builder = common::builder(root.path(), INSTALLATION, sandbox);
+        let Some(runtime) = common::build_if_supported(builder, sandbox) else {
+            continue;
+        };
+        let identity = SessionIdentity::new(INSTALLATION, "agent", "discord", "widened").expect("identity");
+        let id = identity.id();
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        let base = root.path().join(id.as_str());
+        let dirs: Vec<PathBuf> = ["workspace", "home", "state", "tmp"]
+            .iter()
+            .map(|name| base.join(name))
+            .collect();
+        // What create gave them: the control, against which the widening is measured.
+        let created: Vec<u32> = std::iter::once(&base).chain(&dirs).map(|d| mode_of(d)).collect();
+        assert!(
+            created.iter().all(|mode| mode & 0o007 == 0),
+            "{sandbox}: {:?}",
+            octal(&created)
+        );
+        for dir in std::iter::once(&base).chain(&dirs) {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        }
+        let attachment = runtime.attach(&id).await.expect("attach");
+        let now: Vec<u32> = std::iter::once(&base).chain(&dirs).map(|d| mode_of(d)).collect();
+        drop(attachment);
+        runtime.close(&id, CloseReason::Ended).await.expect("close");
+        assert_eq!(octal(&now), octal(&created), "{sandbox}: modes after attach");
+    }
+}
+
+/// Modes written in octal, for messages.
+fn octal(modes: &[u32]) -> Vec<String> {
+    modes.iter().map(|mode| format!("{mode:04o}")).collect()
 }

@@ -138,9 +138,16 @@ fn assert_leaked(probe: &Probe, evidence_contains: &str) {
 }
 
 /// The shape every passing report must have: nothing skipped (step 7 ran), every attack of
-/// steps 4 and 6 denied, the shared input written by neither session.
+/// steps 4 and 6 denied, the shared input written by neither session, and neither session
+/// reached the other's abstract socket or loopback port (step 8).
 fn assert_full_pass(report: &IsolationReport, declared: IsolationLevel) {
     assert!(report.passed(), "{report:#}");
+    assert_files_isolated(report, declared);
+    assert_channels(report, Verdict::Denied, Verdict::Denied);
+}
+
+/// Steps 1 to 7 of [`assert_full_pass`]: no session reached the other's files.
+fn assert_files_isolated(report: &IsolationReport, declared: IsolationLevel) {
     assert!(report.skipped.is_empty(), "step 7 must run:\n{report:#}");
     assert_eq!(
         report.declared_isolation, declared,
@@ -182,6 +189,53 @@ fn assert_full_pass(report: &IsolationReport, declared: IsolationLevel) {
     );
 }
 
+/// Step 8 in both directions: each owner reached its own abstract socket and loopback port (the
+/// positive controls held), and the other session's attempts on them got `abstract_socket` and
+/// `loopback` (a denial, or a leak whose evidence names the owner's secret).
+fn assert_channels(report: &IsolationReport, abstract_socket: Verdict, loopback: Verdict) {
+    for (owner, attacker) in [(Side::A, Side::B), (Side::B, Side::A)] {
+        let controls = probes(report, 8, owner, Action::Listen);
+        assert_eq!(
+            controls.len(),
+            2,
+            "two listeners in {owner}:
+{report:#}"
+        );
+        assert!(
+            controls.iter().all(|p| p.verdict.is_pass()),
+            "the positive controls must hold:
+{report:#}"
+        );
+        for (action, expected) in [
+            (Action::ConnectAbstract, &abstract_socket),
+            (Action::ConnectLoopback, &loopback),
+        ] {
+            let found = probes(report, 8, attacker, action);
+            assert_eq!(
+                found.len(),
+                1,
+                "{action} from {attacker}:
+{report:#}"
+            );
+            match expected {
+                Verdict::Leaked { .. } => assert_leaked(found[0], &format!("{owner}'s secret")),
+                _ => assert_eq!(
+                    &found[0].verdict, expected,
+                    "{action} from {attacker}:
+{report:#}"
+                ),
+            }
+        }
+    }
+}
+
+/// A leak, for [`assert_channels`].
+fn leaked() -> Verdict {
+    Verdict::Leaked {
+        evidence: String::new(),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bubblewrap_sessions_are_isolated_and_share_a_read_only_input() {
     let root = tempfile::tempdir().expect("root");
@@ -208,6 +262,143 @@ async fn bubblewrap_sessions_are_isolated_and_share_a_read_only_input() {
         SKILL
     );
     assert_closed_and_gone(&runtime, &report, root.path()).await;
+}
+
+/// `network = "host"`, chosen explicitly: the sessions share the host's network namespace, so
+/// each reaches the other's loopback ports (the suite says so, and fails); their abstract
+/// sockets are scoped by Landlock inside bubblewrap where the kernel offers it, and shared
+/// otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bubblewrap_with_the_host_network_shares_loopback_and_says_so() {
+    common::use_built_landlock_helper();
+    let root = tempfile::tempdir().expect("root");
+    let builder = common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap)
+        .network(session_runtime::config::NetworkMode::Host);
+    // The choice is said at startup: what the sessions share.
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let built = tracing::subscriber::with_default(subscriber, || {
+        common::build_if_supported(builder, SandboxMode::Bubblewrap)
+    });
+    let Some(runtime) = built else {
+        return;
+    };
+    let startup = log.text();
+    assert!(
+        startup.contains("WARN") && startup.contains("sessions share the host's network namespace"),
+        "{startup}"
+    );
+    let options = SuiteOptions::new(INSTALLATION).with_extra_scan_path(root.path().display().to_string());
+    let report = run_suite(&runtime, &options).await;
+    assert!(
+        !report.passed(),
+        "a shared loopback is a leak:
+{report:#}"
+    );
+    let abstract_socket = if scopes_available() {
+        Verdict::Denied
+    } else {
+        leaked()
+    };
+    assert_channels(&report, abstract_socket, leaked());
+    let others: Vec<&Probe> = report.problems().filter(|p| p.step != 8).collect();
+    assert!(
+        others.is_empty(),
+        "only the network is shared:
+{report:#}"
+    );
+    assert_closed_and_gone(&runtime, &report, root.path()).await;
+}
+
+/// `network = "allowlist"` (here selected by `egress` alone): each session has a network
+/// namespace of its own behind its proxy, so neither reaches the other's abstract socket or
+/// loopback port, though a loopback port of the host is forwarded into both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bubblewrap_with_an_allowlist_shares_no_network() {
+    common::use_built_egress_forwarder();
+    let root = tempfile::tempdir().expect("root");
+    let model = std::net::TcpListener::bind("127.0.0.1:0").expect("a host port to forward");
+    let entry =
+        session_runtime::config::EgressTarget::parse(&model.local_addr().expect("address").to_string())
+            .expect("an egress entry");
+    let builder = common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap).egress(vec![entry]);
+    let Some(runtime) = common::build_if_supported(builder, SandboxMode::Bubblewrap) else {
+        return;
+    };
+    let options = SuiteOptions::new(INSTALLATION).with_extra_scan_path(root.path().display().to_string());
+    let report = run_suite(&runtime, &options).await;
+    assert_channels(&report, Verdict::Denied, Verdict::Denied);
+    assert!(report.passed(), "{report:#}");
+    assert_closed_and_gone(&runtime, &report, root.path()).await;
+}
+
+/// With `network` unset, a bubblewrap runtime says at startup that sessions have a network of
+/// their own, and the one setting that reaches a model (a user upgrading from `host` finds it).
+#[test]
+fn the_default_network_says_how_to_reach_a_model() {
+    let root = tempfile::tempdir().expect("root");
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let log = log.clone();
+            move || log.clone()
+        })
+        .with_ansi(false)
+        .finish();
+    let built = tracing::subscriber::with_default(subscriber, || {
+        common::build_if_supported(
+            common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap),
+            SandboxMode::Bubblewrap,
+        )
+    });
+    if built.is_none() {
+        return;
+    }
+    let startup = log.text();
+    assert!(
+        startup.contains("network namespace of its own") && startup.contains("egress = ["),
+        "{startup}"
+    );
+    assert!(
+        !startup.contains("share the host's network namespace"),
+        "{startup}"
+    );
+}
+
+/// Log lines, captured.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log lock").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("log lock")).into_owned()
+    }
+}
+
+/// Whether this kernel enforces Landlock's scopes (ABI 6): a ruleset with them can be created.
+fn scopes_available() -> bool {
+    use landlock::{Access, CompatLevel, Compatible, Ruleset, RulesetAttr, Scope, ABI};
+    Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .scope(Scope::from_all(ABI::V6))
+        .and_then(|r| r.create())
+        .is_ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,7 +433,23 @@ async fn landlock_sessions_with_their_own_uids_are_isolated() {
         )
         .with_extra_scan_path(root.path().display().to_string());
     let report = run_suite(&runtime, &options).await;
-    assert_full_pass(&report, IsolationLevel::AccessControl);
+    // Landlock gives a session no network namespace of its own, so with the default network it
+    // shares the host's: its loopback ports are open to the other session (which `verify`
+    // reports as a leak), while its abstract sockets are scoped (`EPERM`). Everything else holds.
+    assert_files_isolated(&report, IsolationLevel::AccessControl);
+    assert_channels(&report, Verdict::Denied, leaked());
+    for probe in probes(&report, 8, Side::A, Action::ConnectAbstract) {
+        assert_eq!(probe.errno, Some(isolation_suite::Errno::EPERM), "{probe:?}");
+    }
+    let others: Vec<&Probe> = report
+        .problems()
+        .filter(|p| p.action != Action::ConnectLoopback)
+        .collect();
+    assert!(
+        others.is_empty(),
+        "only loopback is shared:
+{report:#}"
+    );
     // Landlock shows host paths: each session works in its own directory under the root.
     for side in [Side::A, Side::B] {
         let session = report.session(side);
@@ -344,6 +551,9 @@ async fn plain_mode_fails_the_suite_and_names_the_leaks() {
         the_probe(&report, 6, Side::A, Action::Read, &b_workspace),
         &b.token,
     );
+    // One network namespace, nothing scoped: each session reaches the other's abstract socket
+    // and loopback port.
+    assert_channels(&report, leaked(), leaked());
     // The report names the leaking command.
     let text = report.to_string();
     assert!(text.contains(&format!("cat -- '{a_workspace}'")), "{text}");

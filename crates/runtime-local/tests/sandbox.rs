@@ -120,6 +120,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         &[skills()],
         &spec,
         Some(&identity),
+        None,
     )
     .expect("argv");
     let base = format!("/var/lib/openab/sessions/{id}");
@@ -216,7 +217,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         needs: &[],
         egress: None,
     };
-    let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
+    let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect("argv");
     let base = format!("/srv/s/{id}");
     assert_eq!(
         &argv[..9],
@@ -282,7 +283,8 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         needs: &[],
         egress: None,
     };
-    let error = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect_err("not root");
+    let error =
+        bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect_err("not root");
     assert!(
         matches!(error, Error::Backend { retryable: false, .. }),
         "{error:?}"
@@ -322,7 +324,8 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             needs: &[],
             egress: None,
         };
-        let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None).expect("argv");
+        let argv =
+            bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect("argv");
         let bind = vec![
             OsString::from("--ro-bind"),
             real.clone().into(),
@@ -348,8 +351,15 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             needs: &[],
             egress: None,
         };
-        let argv =
-            bwrap_args(&debian_layout(false), NetworkMode::Host, &[skills()], &spec, None).expect("argv");
+        let argv = bwrap_args(
+            &debian_layout(false),
+            NetworkMode::Host,
+            &[skills()],
+            &spec,
+            None,
+            None,
+        )
+        .expect("argv");
         assert_eq!(
             argv.iter().filter(|a| *a == "--ro-bind").count(),
             3,
@@ -414,8 +424,19 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         parse_landlock_args(strings(&["--probe"])).expect("probe"),
         LandlockInvocation::Probe
     );
+    // What a bubblewrap sandbox on the host's network runs the agent through.
+    assert_eq!(
+        parse_landlock_args(strings(&["--scopes-only", "--", "agent", "--acp"])).expect("scopes"),
+        LandlockInvocation::ScopesOnly {
+            program: "agent".into(),
+            args: strings(&["--acp"]),
+        }
+    );
     for bad in [
-        &["--read", "relative", "--", "x"][..],
+        &["--scopes-only"][..],
+        &["--scopes-only", "agent"],
+        &["--scopes-only", "--"],
+        &["--read", "relative", "--", "x"],
         &["--uid", "-1", "--", "x"],
         &["--"],
         &["--bogus"],
@@ -459,6 +480,7 @@ fn a_missing_sandbox_is_a_config_error_that_says_what_to_do() {
     let missing = DetectOptions {
         bwrap: Some("/nonexistent/bwrap".into()),
         landlock_helper: Some("/nonexistent/oab-landlock-exec".into()),
+        network_is_default: false,
     };
     let error = Sandbox::detect_with(SandboxMode::Bubblewrap, NetworkMode::Host, &[], &missing)
         .expect_err("no bwrap");
@@ -518,6 +540,7 @@ fn landlock_cannot_take_the_network_away() {
     let options = DetectOptions {
         bwrap: None,
         landlock_helper: Some(HELPER.into()),
+        network_is_default: false,
     };
     let error =
         Sandbox::detect_with(SandboxMode::Landlock, NetworkMode::None, &[], &options).expect_err("refused");
@@ -1027,6 +1050,7 @@ async fn landlock_confines_a_shell_to_its_own_session() {
     let options = DetectOptions {
         bwrap: None,
         landlock_helper: Some(HELPER.into()),
+        network_is_default: false,
     };
     let sandbox = match Sandbox::detect_with(SandboxMode::Landlock, NetworkMode::Host, &[], &options) {
         Ok(sandbox) => sandbox,

@@ -373,8 +373,12 @@ pub struct LocalConfig {
     /// How sessions are isolated from each other and from the host. Default [`SandboxMode::None`]
     /// (changed in 0.2 from `Auto`: a sandbox is now an explicit step).
     pub sandbox: SandboxMode,
-    /// Whether sandboxed agents can reach the network. Default [`NetworkMode::Host`].
-    pub network: NetworkMode,
+    /// The `network` key as written (`None`: unset): what sandboxed agents can reach. What
+    /// applies is [`effective_network`](Self::effective_network): unset, a sandboxed session gets
+    /// a network of its own, so that sessions share no loopback port and no abstract socket
+    /// (changed in 0.3 from [`NetworkMode::Host`], which stays available as an explicit choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkMode>,
     /// With `network = "allowlist"`: the only destinations the session may reach, each
     /// `"HOST:PORT"` ([`EgressTarget`]). Default empty (with `allowlist`: nothing outside the
     /// session). Not allowed with another network mode.
@@ -437,6 +441,23 @@ impl LocalConfig {
         })
     }
 
+    /// The network mode the runtime applies: the [`network`](Self::network) key if set; else,
+    /// without a sandbox (or with shared storage), [`NetworkMode::Host`], the only one a plain
+    /// process can have; else [`NetworkMode::Allowlist`] when [`egress`](Self::egress) lists
+    /// destinations, and [`NetworkMode::None`] (a network namespace of the session's own,
+    /// loopback only) when it does not. A sandbox that cannot give a session a network of its own
+    /// (Landlock) applies `host` for an unset key, and says so.
+    pub fn effective_network(&self) -> NetworkMode {
+        match self.network {
+            Some(network) => network,
+            None if self.storage == StorageMode::Shared || self.sandbox == SandboxMode::None => {
+                NetworkMode::Host
+            }
+            None if !self.egress.is_empty() => NetworkMode::Allowlist,
+            None => NetworkMode::None,
+        }
+    }
+
     /// The longest [`terminate_grace`](Self::terminate_grace): 10 minutes. Stopping a session
     /// (suspend, close, a signal to `oab-runtime run`) waits this long for an agent that ignores
     /// SIGTERM, so it must end.
@@ -478,13 +499,19 @@ impl LocalConfig {
                 ));
             }
         }
-        if !self.egress.is_empty() && self.network != NetworkMode::Allowlist {
+        let network = self.effective_network();
+        if !self.egress.is_empty() && network != NetworkMode::Allowlist {
+            let (why, fix) = match self.network {
+                Some(_) => ("", "set network = \"allowlist\" or remove egress"),
+                None => (
+                    " (without a sandbox there is no other)",
+                    "choose sandbox = \"auto\" or \"bubblewrap\", or remove egress",
+                ),
+            };
             return Err(invalid(
                 "local.egress",
                 format!(
-                    "egress lists the destinations of network = \"allowlist\", but network = \"{}\"; \
-                     set network = \"allowlist\" or remove egress",
-                    self.network
+                    "egress lists the destinations of network = \"allowlist\", but network = \"{network}\"{why}; {fix}"
                 ),
             ));
         }
@@ -497,13 +524,12 @@ impl LocalConfig {
             }
         }
         if self.sandbox == SandboxMode::None {
-            if self.network != NetworkMode::Host {
+            if network != NetworkMode::Host {
                 return Err(invalid(
                     "local.network",
                     format!(
-                        "network = \"{}\" needs a sandbox, but sandbox = \"none\"; \
-                         choose sandbox = \"auto\" or \"bubblewrap\", or network = \"host\"",
-                        self.network
+                        "network = \"{network}\" needs a sandbox, but sandbox = \"none\"; \
+                         choose sandbox = \"auto\" or \"bubblewrap\", or network = \"host\""
                     ),
                 ));
             }
@@ -529,7 +555,7 @@ impl LocalConfig {
     fn check_shared(&self) -> Result<()> {
         let set = [
             ("sandbox", self.sandbox != SandboxMode::None),
-            ("network", self.network != NetworkMode::Host),
+            ("network", self.network.is_some_and(|n| n != NetworkMode::Host)),
             ("egress", !self.egress.is_empty()),
             ("readonly", !self.readonly.is_empty()),
             ("root", self.root.is_some()),
@@ -662,10 +688,15 @@ impl fmt::Display for SandboxMode {
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum NetworkMode {
-    /// The host's network, as the broker sees it: `"host"`. The default.
+    /// The host's network, as the broker sees it: `"host"`. Sessions share it: every loopback
+    /// port one session's agent listens on is open to every other session, and so are its
+    /// abstract UNIX sockets unless the sandbox scopes them (Landlock does, also inside
+    /// bubblewrap where the kernel offers it). What a plain process (no sandbox) always has.
     #[default]
     Host,
     /// A private network namespace with no interfaces but loopback: `"none"`. Needs a sandbox.
+    /// The default of sandboxed sessions without `egress` (see
+    /// [`LocalConfig::effective_network`]).
     None,
     /// A private network namespace whose only way out is a proxy the runtime runs for the
     /// session, admitting only the destinations of `egress`: `"allowlist"`. Needs a sandbox.

@@ -68,6 +68,6 @@ pub use retention::*;
 pub use runtime::{DynSessionRuntime, SessionRuntime};
 pub use state::{
     Capabilities, CloseReason, CreateOptions, Generation, IsolationLevel, ReconcileAction, ReconcileReport,
-    ResourceUsage, SessionHandle, SessionState, SessionStatus, StorageState, SuspendReason, WorkerInfo,
-    WorkspaceSeed,
+    ResourceUsage, SessionHandle, SessionState, SessionStatus, StartFailure, StorageState, SuspendReason,
+    WorkerInfo, WorkspaceSeed,
 };

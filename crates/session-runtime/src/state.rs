@@ -182,6 +182,34 @@ pub struct SessionStatus {
     pub resources: Option<ResourceUsage>,
     /// What the last `reconcile` pass did to this session, where the backend records it.
     pub last_reconcile: Option<ReconcileAction>,
+    /// Why the last attempt to start a worker failed, where the backend records it; cleared when
+    /// a worker starts. A session whose first start failed is still `Created` at generation 0,
+    /// and this says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_start_failure: Option<StartFailure>,
+}
+
+/// A failed attempt to start a session's worker, as its status reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct StartFailure {
+    /// When.
+    pub at: SystemTime,
+    /// The session's generation after the attempt (0 if no worker was ever started).
+    pub generation: Generation,
+    /// The error `attach` returned, as its message.
+    pub error: String,
+}
+
+impl StartFailure {
+    /// A failure at `at`, leaving the session at `generation`, with `error`'s message.
+    pub fn new(at: SystemTime, generation: Generation, error: impl Into<String>) -> Self {
+        Self {
+            at,
+            generation,
+            error: error.into(),
+        }
+    }
 }
 
 /// One thing a `reconcile` pass did to a session, as its status reports it.
@@ -239,6 +267,7 @@ impl SessionStatus {
             storage_refs: Vec::new(),
             resources: None,
             last_reconcile: None,
+            last_start_failure: None,
         }
     }
 }

@@ -93,7 +93,8 @@ fn empty_section_is_the_local_runtime_with_upstreams_behaviour() {
     assert_eq!(config.retention.retain_for, None);
     assert_eq!(config.local.root, None);
     assert_eq!(config.local.sandbox, SandboxMode::None);
-    assert_eq!(config.local.network, NetworkMode::Host);
+    assert_eq!(config.local.network, None);
+    assert_eq!(config.local.effective_network(), NetworkMode::Host);
     assert!(config.local.readonly.is_empty());
     assert_eq!(config.local.home_template, None);
     assert_eq!(config.local.limits, None);
@@ -137,7 +138,8 @@ fn design_example_parses_to_the_expected_values() {
         Some(Path::new("/var/lib/openab/sessions"))
     );
     assert_eq!(config.local.sandbox, SandboxMode::Auto);
-    assert_eq!(config.local.network, NetworkMode::Host);
+    assert_eq!(config.local.network, Some(NetworkMode::Host));
+    assert_eq!(config.local.effective_network(), NetworkMode::Host);
     assert_eq!(
         config.local.readonly,
         vec![ReadonlyMount::new("/opt/openab/skills", "/skills").unwrap()]
@@ -242,7 +244,7 @@ start_timeout = "5m"
     assert_eq!(config.retention.expired, Retention::Retain);
     assert_eq!(config.retention.retain_for, Some(Duration::from_secs(90)));
     assert_eq!(config.local.sandbox, SandboxMode::Bubblewrap);
-    assert_eq!(config.local.network, NetworkMode::None);
+    assert_eq!(config.local.network, Some(NetworkMode::None));
     assert_eq!(
         config.local.home_template.as_deref(),
         Some(Path::new("/etc/openab/home"))
@@ -576,7 +578,7 @@ fn every_sandbox_and_network_value_parses() {
         "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"none\"",
     )
     .unwrap();
-    assert_eq!(config.local.network, NetworkMode::None);
+    assert_eq!(config.local.network, Some(NetworkMode::None));
 }
 
 #[test]
@@ -903,16 +905,18 @@ fn limits_the_kernel_cannot_represent_are_refused() {
 #[test]
 fn allowlist_network_takes_egress_destinations() {
     let config = SessionRuntimeConfig::from_toml_section(
-        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [\"API.Example.com.:443\", \"127.0.0.1:8080\", \"[::1]:9000\", \"localhost:81\"]",
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [\"API.Example.com:443\", \"127.0.0.1:8080\", \"[::1]:9000\", \"localhost:81\"]",
     )
     .unwrap();
-    assert_eq!(config.local.network, NetworkMode::Allowlist);
+    assert_eq!(config.local.network, Some(NetworkMode::Allowlist));
     assert_eq!(NetworkMode::Allowlist.as_str(), "allowlist");
     let egress = &config.local.egress;
     assert_eq!(egress.len(), 4);
     assert_eq!(egress[0].to_string(), "api.example.com:443");
     assert!(!egress[0].is_loopback());
-    assert!(egress[0].matches("api.EXAMPLE.com.", 443));
+    assert!(egress[0].matches("api.EXAMPLE.com", 443));
+    // One spelling per destination: the fully qualified name is not a second way in.
+    assert!(!egress[0].matches("api.example.com.", 443));
     assert!(!egress[0].matches("api.example.com", 80));
     assert!(!egress[0].matches("evil-api.example.com", 443));
     assert!(egress[1].is_loopback());
@@ -940,6 +944,16 @@ fn bad_egress_entries_name_the_key() {
         ("[::g]:443", "IPv6"),
         ("300.1.1.1:443", "IPv4"),
         (":443", "empty"),
+        // One spelling per destination: what a resolver or port parser would also accept is
+        // refused, not read as the same destination.
+        ("vm.:18084", "trailing dot"),
+        ("vm:018084", "leading zero"),
+        ("vm:+18084", "sign"),
+        ("vm:-1", "sign"),
+        // A URL is refused as a URL, not as a malformed IPv6 address.
+        ("http://a.com:443", "URL"),
+        ("https://a.com", "URL"),
+        ("a.com:443/v1", "path"),
     ] {
         let reason = section_error(
             &format!("[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"allowlist\"\negress = [{bad:?}]"),
@@ -971,4 +985,28 @@ fn egress_needs_the_allowlist_mode_and_a_sandbox() {
         "session_runtime.local.egress",
     );
     assert!(reason.contains("entries 1 and 2"), "{reason}");
+}
+
+#[test]
+fn sandboxed_sessions_get_a_network_of_their_own_unless_host_is_chosen() {
+    let parse = |body: &str| SessionRuntimeConfig::from_toml_section(body).unwrap().local;
+    // Unset: sandboxed sessions share no loopback and no abstract socket ...
+    let local = parse("[local]\nstorage = \"per-session\"\nsandbox = \"auto\"");
+    assert_eq!(local.effective_network(), NetworkMode::None);
+    // ... and one setting, `egress`, reaches a model through the session's proxy.
+    let local =
+        parse("[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\negress = [\"api.example.com:443\"]");
+    assert_eq!(local.network, None);
+    assert_eq!(local.effective_network(), NetworkMode::Allowlist);
+    // `host` stays an explicit choice.
+    let local = parse("[local]\nstorage = \"per-session\"\nsandbox = \"bubblewrap\"\nnetwork = \"host\"");
+    assert_eq!(local.effective_network(), NetworkMode::Host);
+    // Without a sandbox a session has the host's network, the only one a plain process has.
+    let local = parse("[local]\nstorage = \"per-session\"");
+    assert_eq!(local.effective_network(), NetworkMode::Host);
+    let reason = section_error(
+        "[local]\nstorage = \"per-session\"\nsandbox = \"auto\"\nnetwork = \"host\"\negress = [\"api.example.com:443\"]",
+        "session_runtime.local.egress",
+    );
+    assert!(reason.contains("network = \"host\""), "{reason}");
 }

@@ -157,10 +157,28 @@ fn row(status: &SessionStatus) -> String {
         StorageState::Deleted => "deleted".to_owned(),
         _ => "unknown".to_owned(),
     };
+    // A failed start leaves the state as it was (`created` at generation 0 for a first start),
+    // so the failure is shown beside it.
+    let failure = match &status.last_start_failure {
+        Some(failure) => format!("  start failed: {}", one_line(&failure.error, 160)),
+        None => String::new(),
+    };
     format!(
-        "{:<20}  {:<9}  {:>4}  {:<32}  {storage}",
+        "{:<20}  {:<9}  {:>4}  {:<32}  {storage}{failure}",
         status.id, status.state, status.generation, worker
     )
+}
+
+/// `text` on one line (line breaks as spaces), at most `limit` characters.
+fn one_line(text: &str, limit: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    match flat.char_indices().nth(limit) {
+        Some((cut, _)) => format!("{}...", &flat[..cut]),
+        None => flat,
+    }
 }
 
 pub(crate) fn test_agent(args: &[String]) -> ExitCode {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use isolation_suite::{SharedInput, SuiteOptions};
-use openab_runtime::config::{RuntimeKind, SandboxMode, StorageMode};
+use openab_runtime::config::{NetworkMode, RuntimeKind, SandboxMode, StorageMode};
 use openab_runtime::{Error, IsolationLevel};
 
 use crate::commands::{bundled_test_agent, Outcome};
@@ -69,6 +69,8 @@ pub(crate) async fn run(
     eprintln!("oab-runtime verify: isolation level {}", capabilities.isolation);
     if capabilities.isolation == IsolationLevel::None {
         eprintln!("oab-runtime verify: this runtime declares that it isolates nothing; expect leaks");
+    } else if let Some(shared) = shared_network(&settings.runtime.local, capabilities.isolation) {
+        eprintln!("oab-runtime verify: {shared}");
     }
     exit(suite(runtime, &options).await?)
 }
@@ -105,6 +107,26 @@ async fn kubernetes(settings: Settings, shared_input: Option<String>) -> Outcome
         if shared_input.is_some() { ", and that the shared input is readable and read-only in both" } else { "" }
     );
     exit(passed)
+}
+
+/// What sandboxed sessions share through the network, when they share the host's: `network =
+/// "host"` chosen, or Landlock (isolation by access control), which has no network namespace to
+/// give a session and applies `host` for an unset key.
+fn shared_network(local: &openab_runtime::config::LocalConfig, isolation: IsolationLevel) -> Option<String> {
+    let chosen = local.network == Some(NetworkMode::Host);
+    let landlock = isolation == IsolationLevel::AccessControl && local.network.is_none();
+    let why = match (chosen, landlock) {
+        (true, _) => "chosen",
+        (false, true) => "landlock gives a session no network namespace of its own",
+        (false, false) => return None,
+    };
+    Some(format!(
+        "network = \"host\" ({why}): the sessions share the host's network namespace, so every \
+         loopback port one session's agent listens on is open to the other (step 8 probes it), and \
+         so is every abstract UNIX socket unless landlock scopes them (Linux 6.12 or later, with the \
+         oab-landlock-exec helper); leave network unset with bubblewrap for a network of each \
+         session's own"
+    ))
 }
 
 fn exit(passed: bool) -> Outcome {

@@ -9,7 +9,12 @@
 //! ```text
 //! oab-landlock-exec [--uid N] [--gid N] [--read PATH]... [--write PATH]... -- PROGRAM [ARG]...
 //! oab-landlock-exec --probe
+//! oab-landlock-exec --scopes-only -- PROGRAM [ARG]...
 //! ```
+//!
+//! `--scopes-only` restricts nothing but abstract UNIX sockets and signals to the helper's own
+//! Landlock domain: a bubblewrap sandbox sharing the host's network namespace runs the agent
+//! through it, so that sessions cannot connect to each other's abstract sockets.
 //!
 //! It never runs the program unrestricted: if Landlock is not enforced, or a rule cannot be
 //! added, it exits with code 126 (127 if the program does not exist) and says why on stderr.
@@ -37,6 +42,12 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(problem) => fail(EXIT_CANNOT_RUN, &problem),
         },
+        Invocation::ScopesOnly { program, args } => {
+            if let Err(problem) = landlock_rules::restrict_scopes() {
+                return fail(EXIT_CANNOT_RUN, &problem);
+            }
+            exec(Command::new(&program).args(&args), &program)
+        }
         Invocation::Exec { rules, program, args } => {
             if let Err(problem) = landlock_rules::restrict_self(&rules) {
                 return fail(EXIT_CANNOT_RUN, &problem);
@@ -51,18 +62,23 @@ fn main() -> ExitCode {
             if let Some(uid) = rules.uid {
                 command.uid(uid);
             }
-            let error = command.exec();
-            let code = if error.kind() == std::io::ErrorKind::NotFound {
-                EXIT_NOT_FOUND
-            } else {
-                EXIT_CANNOT_RUN
-            };
-            fail(
-                code,
-                &format!("cannot execute {}: {error}", program.to_string_lossy()),
-            )
+            exec(&mut command, &program)
         }
     }
+}
+
+/// Executes `command`; returns only if that failed, with the exit code a shell would give.
+fn exec(command: &mut Command, program: &std::ffi::OsStr) -> ExitCode {
+    let error = command.exec();
+    let code = if error.kind() == std::io::ErrorKind::NotFound {
+        EXIT_NOT_FOUND
+    } else {
+        EXIT_CANNOT_RUN
+    };
+    fail(
+        code,
+        &format!("cannot execute {}: {error}", program.to_string_lossy()),
+    )
 }
 
 /// Reports `problem` on stderr and returns `code`.

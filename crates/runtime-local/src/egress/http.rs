@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use session_runtime::config::EgressTarget;
 use session_runtime::SessionId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
@@ -20,7 +21,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// A request the proxy understood.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct ProxyRequest {
-    /// The destination host as the client wrote it (IPv6 without brackets).
+    /// The destination host in its one spelling (a name in lower case, IPv6 without brackets).
     pub(super) host: String,
     /// The destination port.
     pub(super) port: u16,
@@ -44,27 +45,11 @@ fn bad_request(reason: impl Into<String>) -> Refusal {
 }
 
 /// Splits `authority` (`host:port`, `[v6]:port`, or `host` with `default_port`) into host and
-/// port.
-fn split_authority(authority: &str, default_port: Option<u16>) -> Option<(String, u16)> {
-    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
-        let (host, after) = rest.split_once(']')?;
-        match after.strip_prefix(':') {
-            Some(port) => (host, Some(port)),
-            None if after.is_empty() => (host, None),
-            None => return None,
-        }
-    } else {
-        match authority.rsplit_once(':') {
-            Some((host, port)) if !host.contains(':') => (host, Some(port)),
-            Some(_) => return None,
-            None => (authority, None),
-        }
-    };
-    let port = match port {
-        Some(port) => port.parse().ok().filter(|port| *port != 0)?,
-        None => default_port?,
-    };
-    (!host.is_empty()).then(|| (host.to_owned(), port))
+/// port, in the single spelling an `egress` entry has ([`EgressTarget::parse_authority`]): a
+/// name with a trailing dot, or a port with a sign or leading zero, is refused here rather than
+/// passed to the allowlist and the resolver as a second spelling of a destination.
+fn split_authority(authority: &str, default_port: Option<u16>) -> Result<(String, u16), String> {
+    EgressTarget::parse_authority(authority, default_port).map(|target| (target.host(), target.port()))
 }
 
 /// Parses a complete request head (up to and including the blank line).
@@ -83,7 +68,7 @@ pub(super) fn parse_head(head: &[u8]) -> Result<ProxyRequest, Refusal> {
     }
     if method == "CONNECT" {
         let (host, port) = split_authority(target, None)
-            .ok_or_else(|| bad_request(format!("CONNECT needs host:port, found {target:?}")))?;
+            .map_err(|why| bad_request(format!("CONNECT needs host:port, found {target:?}: {why}")))?;
         return Ok(ProxyRequest {
             host,
             port,
@@ -103,7 +88,7 @@ pub(super) fn parse_head(head: &[u8]) -> Result<ProxyRequest, Refusal> {
         None => (rest, "/"),
     };
     let (host, port) = split_authority(authority, Some(80))
-        .ok_or_else(|| bad_request(format!("bad authority in {target:?}")))?;
+        .map_err(|why| bad_request(format!("bad authority in {target:?}: {why}")))?;
     let mut forward = format!("{method} {path} {version}\r\n");
     for line in lines {
         let proxy_only = line
@@ -255,6 +240,12 @@ mod tests {
             "CONNECT ::1:80 HTTP/1.1\r\n\r\n",
             "CONNECT a:80 HTTP/2\r\n\r\n",
             "CONNECT a:80\r\n\r\n",
+            // One spelling per destination: no trailing dot, sign or leading zero.
+            "CONNECT vm.:18084 HTTP/1.1\r\n\r\n",
+            "CONNECT vm:018084 HTTP/1.1\r\n\r\n",
+            "CONNECT vm:+18084 HTTP/1.1\r\n\r\n",
+            "GET http://vm.:18084/ HTTP/1.1\r\n\r\n",
+            "GET http://vm:+80/ HTTP/1.1\r\n\r\n",
         ] {
             assert!(parse_head(bad.as_bytes()).is_err(), "{bad:?}");
         }

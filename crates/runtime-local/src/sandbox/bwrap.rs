@@ -22,7 +22,7 @@ pub(crate) const SANDBOX_HOSTNAME: &str = "openab";
 
 /// The paths a bubblewrap sandbox creates itself besides the system directories; a read-only
 /// input may not cover them.
-const OWN_PATHS: [&str; 10] = [
+const OWN_PATHS: [&str; 11] = [
     "/proc",
     "/dev",
     "/home",
@@ -33,6 +33,7 @@ const OWN_PATHS: [&str; 10] = [
     HOST_PROGRAMS,
     SANDBOX_FORWARDER,
     SANDBOX_EGRESS_SOCKETS,
+    SANDBOX_SCOPER,
 ];
 
 /// The namespace and lifetime options, shared by the sandbox and its probe.
@@ -54,6 +55,9 @@ fn isolation_args(network: NetworkMode) -> Vec<&'static str> {
 pub(crate) const SANDBOX_FORWARDER: &str = "/run/openab/egress-forward";
 /// Where a bubblewrap sandbox shows the directory of the session's proxy sockets.
 pub(crate) const SANDBOX_EGRESS_SOCKETS: &str = "/run/openab/egress";
+/// Where a bubblewrap sandbox that shares the host's network namespace shows the
+/// `oab-landlock-exec` helper, which confines the agent to Landlock's scopes before it runs.
+pub(crate) const SANDBOX_SCOPER: &str = "/run/openab/landlock-exec";
 
 /// `setpriv`'s options that switch to `uid` and drop every privilege; the program follows.
 fn setpriv_args(uid: u32) -> Vec<String> {
@@ -187,21 +191,36 @@ fn shown_as_system(layout: &HostLayout, path: &Path) -> bool {
 ///
 /// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
 pub(super) fn check_showable(needed: &[Needed]) -> Result<(), Error> {
+    let replaced: Vec<&str> = REPLACED.iter().copied().chain([HOST_PROGRAMS]).collect();
+    check_not_under(
+        needed,
+        &replaced,
+        "the bubblewrap sandbox replaces it with its own, so the agent could not find it there",
+    )
+}
+
+/// The host directories that no sandbox shows to an agent as the host has them: bubblewrap
+/// replaces them with its own, so Landlock refuses them too, for a configuration to mean the
+/// same in both (granting the host's `/tmp` would show every file any user left there).
+pub(super) const HOST_PRIVATE: [&str; 3] = ["/tmp", "/proc", "/dev"];
+
+/// Refuses what the agent needs (besides its program and the program's directory) that lies
+/// under one of `directories`, saying `why`.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
+pub(super) fn check_not_under(needed: &[Needed], directories: &[&str], why: &str) -> Result<(), Error> {
     for need in needed {
         if matches!(need.why, Why::Command | Why::CommandDir) {
             continue;
         }
         for path in [&need.named, &need.real] {
-            let replaced = REPLACED
-                .iter()
-                .chain(&[HOST_PROGRAMS])
-                .find(|replaced| path.starts_with(replaced));
-            if let Some(replaced) = replaced {
+            if let Some(directory) = directories.iter().find(|directory| path.starts_with(directory)) {
                 return Err(invalid(
                     need.why.key(),
                     format!(
-                        "{} lies under {replaced}, which the bubblewrap sandbox replaces with its own, so \
-                         the agent could not find it there; install it elsewhere",
+                        "{} lies under {directory}: {why}; install it elsewhere",
                         path.display()
                     ),
                 ));
@@ -304,7 +323,10 @@ fn program_mount(
     Some((real, shown))
 }
 
-/// The arguments of `bwrap` (not `bwrap` itself) that run `spec` in a sandbox.
+/// The arguments of `bwrap` (not `bwrap` itself) that run `spec` in a sandbox. With `scoper`
+/// (the `oab-landlock-exec` helper, for a sandbox in the host's network namespace), the agent
+/// runs through its `--scopes-only` mode, so it cannot reach the abstract UNIX sockets of
+/// processes outside the session, which a network namespace of its own would otherwise hide.
 ///
 /// # Errors
 ///
@@ -316,6 +338,7 @@ pub(crate) fn bwrap_args(
     readonly: &[ReadonlyMount],
     spec: &LaunchSpec<'_>,
     identity: Option<&IdentityFiles>,
+    scoper: Option<&Path>,
 ) -> Result<Vec<OsString>, Error> {
     let setpriv = match spec.uid {
         None => None,
@@ -407,6 +430,10 @@ pub(crate) fn bwrap_args(
             .push(&egress.socket_dir)
             .push(SANDBOX_EGRESS_SOCKETS);
     }
+    if let Some(scoper) = scoper {
+        traversable_parents(&mut args, Path::new(SANDBOX_SCOPER));
+        args.push("--ro-bind").push(scoper).push(SANDBOX_SCOPER);
+    }
     args.push("--chdir").push(SANDBOX_WORKSPACE);
     args.push("--");
     if let Some((setpriv, uid)) = setpriv {
@@ -414,6 +441,10 @@ pub(crate) fn bwrap_args(
         for arg in setpriv_args(uid) {
             args.push(arg);
         }
+    }
+    if scoper.is_some() {
+        // After `setpriv`, which sets `no_new_privs` (Landlock needs it, or the helper sets it).
+        args.push(SANDBOX_SCOPER).push("--scopes-only").push("--");
     }
     if let Some(egress) = spec.egress {
         // The forwarder runs as the agent's user, then executes the agent in its place.

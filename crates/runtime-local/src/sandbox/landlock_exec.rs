@@ -68,6 +68,40 @@ pub(super) fn find_working(explicit: Option<&Path>) -> Result<PathBuf, String> {
     result.map(|()| helper)
 }
 
+/// Results of probes of the helper's `--scopes-only` mode, per path: run once per process.
+static SCOPE_PROBES: OnceLock<Mutex<HashMap<PathBuf, Result<(), String>>>> = OnceLock::new();
+
+/// A helper that can confine a bubblewrap session to Landlock's scopes (`--scopes-only`): the
+/// kernel enforces them (Linux 6.12 and later), and the helper is found (`explicit`, else as
+/// [`host::locate_helper`] finds it) and applies them.
+///
+/// # Errors
+///
+/// Why not, in a few words.
+pub(super) fn find_scoping(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    if !landlock_rules::kernel_scopes() {
+        return Err(
+            "this kernel does not enforce landlock's scopes of abstract sockets and signals \
+                    (Linux 6.12 or later with `landlock` in the `lsm=` boot parameter)"
+                .to_owned(),
+        );
+    }
+    let helper = locate(explicit)?;
+    if !host::is_executable(&helper) {
+        return Err(format!(
+            "the landlock helper {} is not an executable file",
+            helper.display()
+        ));
+    }
+    let probes = SCOPE_PROBES.get_or_init(Mutex::default);
+    if let Some(result) = probes.lock().get(&helper) {
+        return result.clone().map(|()| helper);
+    }
+    let result = host::probe(&helper, ["--scopes-only", "--", "true"]);
+    probes.lock().insert(helper.clone(), result.clone());
+    result.map(|()| helper)
+}
+
 /// The helper's arguments that run `spec` restricted to its own storage, read-only system paths
 /// and read-only inputs, as the session's uid.
 ///

@@ -8,6 +8,7 @@
 //! ```text
 //! oab-landlock-exec [--uid N] [--gid N] [--read PATH]... [--write PATH]... -- PROGRAM [ARG]...
 //! oab-landlock-exec --probe
+//! oab-landlock-exec --scopes-only -- PROGRAM [ARG]...
 //! ```
 //!
 //! - `--read PATH`: read, list and execute beneath `PATH` (or the file `PATH`);
@@ -16,6 +17,9 @@
 //!   (dropping supplementary groups) as it executes `PROGRAM`, so it can start as the broker's user
 //!   (root) and no file of the helper needs to be readable by the session's uid;
 //! - `--probe`: restrict itself with an empty ruleset and exit 0 if Landlock is enforced.
+//! - `--scopes-only`: apply only the scopes (no filesystem rule), then execute `PROGRAM`: how a
+//!   bubblewrap sandbox that shares the host's network namespace keeps its sessions' abstract
+//!   UNIX sockets apart ([`restrict_scopes`]).
 //!
 //! Everything not granted is denied: the ruleset handles every filesystem right of
 //! [`VETTED_ABI`], plus its scopes (signals to, and abstract UNIX sockets of, processes outside
@@ -59,6 +63,13 @@ pub(crate) struct Rules {
 pub(crate) enum Invocation {
     /// `--probe`: check that Landlock is enforced, run nothing.
     Probe,
+    /// `--scopes-only`: apply the scopes only ([`restrict_scopes`]), then execute `program`.
+    ScopesOnly {
+        /// The program, looked up on `PATH` if it has no `/`.
+        program: OsString,
+        /// Its arguments.
+        args: Vec<OsString>,
+    },
     /// Restrict, then execute `program` with `args`.
     Exec {
         /// The restrictions.
@@ -113,6 +124,16 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocati
                 None => Ok(Invocation::Probe),
                 Some(extra) => Err(format!("--probe takes no arguments, found {extra:?}")),
             };
+        }
+        if first && arg == "--scopes-only" {
+            if args.next().is_none_or(|separator| separator != "--") {
+                return Err("--scopes-only takes `-- PROGRAM [ARG]...`".to_owned());
+            }
+            let program = args.next().ok_or_else(|| "no program after `--`".to_owned())?;
+            return Ok(Invocation::ScopesOnly {
+                program,
+                args: args.collect(),
+            });
         }
         first = false;
         match arg.to_str() {
@@ -186,6 +207,41 @@ pub(crate) fn restrict_self(rules: &Rules) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// Restricts the calling thread (and everything it executes) with Landlock's scopes only: it can
+/// no longer connect to an abstract UNIX socket, nor signal a process, outside its own Landlock
+/// domain. Files are not restricted. Two sessions restricted this way each get a domain of their
+/// own, so neither reaches the other's abstract sockets even in one network namespace.
+///
+/// # Errors
+///
+/// A description of what failed; in particular, a kernel without the scopes (Linux 6.12 and
+/// later have them), where nothing would be restricted.
+pub(crate) fn restrict_scopes() -> Result<(), String> {
+    let status = Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .scope(Scope::from_all(ABI::V6))
+        .and_then(|r| r.create())
+        .map_err(|e| format!("creating the landlock scopes: {e}"))?
+        .restrict_self()
+        .map_err(|e| format!("enforcing the landlock scopes: {e}"))?;
+    if status.ruleset != RulesetStatus::FullyEnforced {
+        return Err(
+            "this kernel does not enforce landlock's scopes (they need Linux 6.12 or later)".to_owned(),
+        );
+    }
+    Ok(())
+}
+
+/// Whether this kernel enforces Landlock's scopes of abstract UNIX sockets and signals (ABI 6,
+/// Linux 6.12 and later), which [`restrict_scopes`] needs. Creates (and drops) a ruleset.
+pub(crate) fn kernel_scopes() -> bool {
+    Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .scope(Scope::from_all(ABI::V6))
+        .and_then(|r| r.create())
+        .is_ok()
 }
 
 /// The newest Landlock ABI up to [`VETTED_ABI`] that this kernel fully supports, or `None` if it

@@ -21,8 +21,11 @@
 //! user, as upstream OpenAB runs it. Nothing is isolated, and [`Sandbox::isolation`] says so.
 //!
 //! **Bubblewrap**: the agent runs under `bwrap` in new pid, ipc and uts namespaces (and a new,
-//! empty network namespace with `network = "none"`; with `"allowlist"` too, where the
-//! `oab-egress-forward` helper of [`EgressLaunch`] starts first and executes the agent), in a new terminal session, killed when the
+//! empty network namespace with `network = "none"`, the default; with `"allowlist"` too, where the
+//! `oab-egress-forward` helper of [`EgressLaunch`] starts first and executes the agent; with
+//! `"host"`, the host's network namespace, where the agent is started through
+//! `oab-landlock-exec --scopes-only` when the kernel has Landlock's scopes, so sessions cannot
+//! connect to each other's abstract UNIX sockets), in a new terminal session, killed when the
 //! broker dies. Its root is an empty tmpfs holding only: the system directories read-only
 //! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
 //! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
@@ -222,6 +225,10 @@ pub(crate) struct DetectOptions {
     pub(crate) bwrap: Option<PathBuf>,
     /// The `oab-landlock-exec` helper to use instead of searching for it.
     pub(crate) landlock_helper: Option<PathBuf>,
+    /// Whether the network mode is the default for an unset `network` key rather than a choice:
+    /// a sandbox that cannot give a session a network of its own (Landlock) then applies
+    /// `host` and says what it shares, where a choice of `none` or `allowlist` is refused.
+    pub(crate) network_is_default: bool,
 }
 
 /// A working confinement mechanism and its settings. Cheap to clone (shared).
@@ -241,8 +248,15 @@ struct Inner {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Backend {
     Plain,
-    Bubblewrap { bwrap: PathBuf },
-    Landlock { helper: PathBuf },
+    /// `scoper`: the `oab-landlock-exec` helper that confines the agent to Landlock's scopes, for
+    /// a sandbox in the host's network namespace, where the kernel and helper offer it.
+    Bubblewrap {
+        bwrap: PathBuf,
+        scoper: Option<PathBuf>,
+    },
+    Landlock {
+        helper: PathBuf,
+    },
 }
 
 impl Sandbox {
@@ -263,6 +277,7 @@ impl Sandbox {
     /// sandbox path would cover the sandbox's own directories; with key
     /// `session_runtime.local.network` for `network = "none"` with Landlock (it cannot block UDP)
     /// and for `network = "allowlist"` with Landlock (it has no network namespace to confine).
+    #[allow(dead_code)] // the tests' shorthand; the runtime passes options (`detect_with`)
     pub(crate) fn detect(
         mode: SandboxMode,
         network: NetworkMode,
@@ -286,7 +301,7 @@ impl Sandbox {
         let backend = match mode {
             SandboxMode::None => Backend::Plain,
             SandboxMode::Bubblewrap => match bwrap::find_working(options.bwrap.as_deref(), network, &layout) {
-                Ok(bwrap) => Backend::Bubblewrap { bwrap },
+                Ok(bwrap) => Backend::Bubblewrap { bwrap, scoper: None },
                 Err(why) => {
                     let reason = format!(
                         "sandbox = \"bubblewrap\" does not work here: {why}; {INSTALL_BUBBLEWRAP}, \
@@ -306,7 +321,7 @@ impl Sandbox {
                 }
             },
             SandboxMode::Auto => match bwrap::find_working(options.bwrap.as_deref(), network, &layout) {
-                Ok(bwrap) => Backend::Bubblewrap { bwrap },
+                Ok(bwrap) => Backend::Bubblewrap { bwrap, scoper: None },
                 Err(bwrap_problem) => match landlock_exec::find_working(options.landlock_helper.as_deref()) {
                     Ok(helper) => {
                         tracing::warn!(
@@ -334,10 +349,29 @@ impl Sandbox {
                 return Err(invalid(SANDBOX_KEY, reason));
             }
         };
-        match &backend {
+        let mut backend = backend;
+        let mut network = network;
+        match &mut backend {
             Backend::Plain => {}
-            Backend::Bubblewrap { .. } => bwrap::check_mounts(&layout, readonly)?,
+            Backend::Bubblewrap { scoper, .. } => {
+                bwrap::check_mounts(&layout, readonly)?;
+                if network == NetworkMode::Host {
+                    match landlock_exec::find_scoping(options.landlock_helper.as_deref()) {
+                        Ok(helper) => *scoper = Some(helper),
+                        Err(why) => tracing::warn!(
+                            problem = %why,
+                            "network = \"host\": bubblewrap sessions share the host's network namespace and \
+                             landlock cannot scope them here, so each session can connect to the abstract \
+                             UNIX sockets of every other session and of the host"
+                        ),
+                    }
+                }
+            }
             Backend::Landlock { .. } => {
+                if network == NetworkMode::None && options.network_is_default {
+                    // Landlock has no namespaces: the host's network is all it can give.
+                    network = NetworkMode::Host;
+                }
                 if network == NetworkMode::Allowlist {
                     return Err(invalid(
                         NETWORK_KEY,
@@ -372,6 +406,41 @@ impl Sandbox {
         }
         check_readonly_sources(readonly)?;
         Ok(Self::from_parts(backend, network, readonly.to_vec(), layout))
+    }
+
+    /// The network mode sessions get: the one asked for, or `host` where the default `none`
+    /// cannot be given (Landlock, see [`DetectOptions::network_is_default`]).
+    pub(crate) fn network(&self) -> NetworkMode {
+        self.inner.network
+    }
+
+    /// What sessions of this sandbox share through the network, in one sentence for the
+    /// startup log and `verify`; `None` when each session has a network namespace of its own
+    /// (or nothing is isolated anyway: plain mode says so on its own).
+    pub(crate) fn shared_network(&self) -> Option<String> {
+        if self.inner.network != NetworkMode::Host {
+            return None;
+        }
+        let abstract_sockets = match &self.inner.backend {
+            Backend::Plain => return None,
+            Backend::Bubblewrap { scoper: Some(_), .. } | Backend::Landlock { .. } => {
+                "abstract UNIX sockets are not shared (landlock scopes them to each session)"
+            }
+            Backend::Bubblewrap { scoper: None, .. } => {
+                "and so is every abstract UNIX socket (landlock's scopes are not available here: they \
+                 need Linux 6.12 or later and the oab-landlock-exec helper)"
+            }
+        };
+        Some(format!(
+            "network = \"host\" ({}): sessions share the host's network namespace: every loopback \
+             port one session's agent listens on (a dev server on 127.0.0.1, say) is open to every other \
+             session and to the host; {abstract_sockets}; for a network of each session's own, use \
+             bubblewrap with network unset or \"none\", or \"allowlist\" with egress",
+            match self.kind() {
+                SandboxKind::Landlock => "landlock gives a session no network namespace of its own",
+                _ => "chosen explicitly",
+            }
+        ))
     }
 
     /// A sandbox from already detected parts.
@@ -507,9 +576,10 @@ impl Sandbox {
     ///
     /// [`Error::InvalidConfig`] naming `agent.needs` or `agent.command`, with the path and why:
     /// it contains the session root or lies inside it; the session's user cannot reach it (as
-    /// [`needs::check_reachable`] says); or, with bubblewrap, it lies under a directory the
-    /// sandbox replaces with its own (`/tmp`, `/proc`, `/dev`, the session's paths), where it
-    /// cannot be shown at its path.
+    /// [`needs::check_reachable`] says); or it lies under a directory the sandbox replaces with
+    /// its own (`/tmp`, `/proc`, `/dev`, and with bubblewrap the session's paths), where it
+    /// cannot be shown at its path: Landlock refuses those too, so a configuration means the
+    /// same in both sandboxes.
     pub(crate) fn check_needs(
         &self,
         needed: &[needs::Needed],
@@ -520,8 +590,15 @@ impl Sandbox {
             return Ok(());
         }
         needs::check_apart_from(needed, root)?;
-        if self.kind() == SandboxKind::Bubblewrap {
-            bwrap::check_showable(needed)?;
+        match self.kind() {
+            SandboxKind::Bubblewrap => bwrap::check_showable(needed)?,
+            SandboxKind::Landlock => bwrap::check_not_under(
+                needed,
+                &bwrap::HOST_PRIVATE,
+                "the sandbox does not show it (bubblewrap replaces it with the session's own, and \
+                 landlock refuses it alike, since granting it would show the host's)",
+            )?,
+            SandboxKind::None => {}
         }
         let who = match uid {
             Some(uid) => needs::Who::Uid(uid),
@@ -629,6 +706,30 @@ impl Sandbox {
         storage::prepare(dirs, uid)
     }
 
+    /// Makes the session's directories private again where their modes were widened since
+    /// [`Sandbox::prepare_storage`] (a `chmod 0777` would open one session's files to the
+    /// others' users), logging each at WARN with the mode it had; called before every worker
+    /// starts.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] if a directory cannot be inspected or changed.
+    pub(crate) fn repair_storage_modes(
+        &self,
+        id: &SessionId,
+        dirs: &SessionDirs,
+        uid: Option<u32>,
+    ) -> Result<(), Error> {
+        for (dir, mode) in storage::repair_modes(dirs, uid)? {
+            tracing::warn!(
+                session = %id,
+                directory = %dir.display(),
+                "session storage was mode {mode:04o}, wider than the runtime gives it; made private again"
+            );
+        }
+        Ok(())
+    }
+
     /// The command that runs `spec.program` with `spec.args` for the session, confined by this
     /// sandbox. The caller sets the environment (clearing it first; `HOME`, `TMPDIR` from
     /// [`Sandbox::worker_paths`]), stdio, `process_group(0)`, and spawns it.
@@ -686,7 +787,7 @@ impl Sandbox {
                 }
                 Ok(command)
             }
-            Backend::Bubblewrap { bwrap } => {
+            Backend::Bubblewrap { bwrap, scoper } => {
                 let identity = match spec.uid {
                     Some(uid) if inner.layout.root && inner.layout.etc_identity => {
                         Some(storage::write_identity_files(&spec.dirs.base, uid)?)
@@ -699,6 +800,7 @@ impl Sandbox {
                     &inner.readonly,
                     spec,
                     identity.as_ref(),
+                    scoper.as_deref(),
                 )?;
                 let mut command = tokio::process::Command::new(bwrap);
                 command.args(args);

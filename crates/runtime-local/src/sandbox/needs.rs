@@ -244,7 +244,7 @@ pub(crate) fn check_apart_from(needs: &[Needed], root: &Path) -> Result<(), Erro
 }
 
 /// `path` with links resolved in the part of it that exists (a root may not exist yet).
-fn resolved_as_far_as_it_exists(path: &Path) -> PathBuf {
+pub(crate) fn resolved_as_far_as_it_exists(path: &Path) -> PathBuf {
     let mut missing: Vec<Component<'_>> = Vec::new();
     for existing in path.ancestors() {
         if let Ok(real) = std::fs::canonicalize(existing) {

@@ -27,14 +27,12 @@ fn chmod(path: &Path, mode: u32) -> Result<(), Error> {
 
 /// See [`Sandbox::prepare_storage`](super::Sandbox::prepare_storage).
 pub(super) fn prepare(dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error> {
-    match uid {
-        Some(uid) => {
-            std::os::unix::fs::chown(&dirs.base, None, Some(uid))
-                .map_err(|e| storage_error(format!("giving {} to gid {uid}", dirs.base.display()), e))?;
-            chmod(&dirs.base, 0o710)?;
-        }
-        None => chmod(&dirs.base, 0o700)?,
+    let (base_mode, agent_mode) = private_modes(uid);
+    if let Some(uid) = uid {
+        std::os::unix::fs::chown(&dirs.base, None, Some(uid))
+            .map_err(|e| storage_error(format!("giving {} to gid {uid}", dirs.base.display()), e))?;
     }
+    chmod(&dirs.base, base_mode)?;
     for dir in [&dirs.workspace, &dirs.home, &dirs.state, &dirs.tmp] {
         if let Some(uid) = uid {
             let owner = std::fs::symlink_metadata(dir)
@@ -45,9 +43,40 @@ pub(super) fn prepare(dirs: &SessionDirs, uid: Option<u32>) -> Result<(), Error>
                     .map_err(|e| storage_error(format!("giving {} to uid {uid}", dir.display()), e))?;
             }
         }
-        chmod(dir, 0o700)?;
+        chmod(dir, agent_mode)?;
     }
     Ok(())
+}
+
+/// The modes [`prepare`] gives: the base directory's (0710 with a session uid, whose group may
+/// pass it; else 0700), then each agent directory's (0700).
+fn private_modes(uid: Option<u32>) -> (u32, u32) {
+    (if uid.is_some() { 0o710 } else { 0o700 }, 0o700)
+}
+
+/// Narrows back every session directory whose mode was widened beyond what [`prepare`] gives
+/// (e.g. `chmod -R 0777` by hand, or a restored backup), before a worker starts; returns each
+/// repaired directory with the mode it had. A narrower mode is left as it is.
+///
+/// # Errors
+///
+/// [`Error::Backend`] if a directory cannot be inspected or changed.
+pub(super) fn repair_modes(dirs: &SessionDirs, uid: Option<u32>) -> Result<Vec<(PathBuf, u32)>, Error> {
+    let (base_mode, agent_mode) = private_modes(uid);
+    let mut repaired = Vec::new();
+    let all = std::iter::once((&dirs.base, base_mode))
+        .chain([&dirs.workspace, &dirs.home, &dirs.state, &dirs.tmp].map(|dir| (dir, agent_mode)));
+    for (dir, allowed) in all {
+        let mode = std::fs::symlink_metadata(dir)
+            .map_err(|e| storage_error(format!("inspecting {}", dir.display()), e))?
+            .mode()
+            & 0o7777;
+        if mode & !allowed != 0 {
+            chmod(dir, allowed)?;
+            repaired.push((dir.clone(), mode));
+        }
+    }
+    Ok(repaired)
 }
 
 /// Gives `top` and everything beneath it to `uid:uid`, never following a symbolic link: each

@@ -13,8 +13,10 @@ const EGRESS_EXPECTED: &str = "\"HOST:PORT\" with a DNS name or IP address and a
 /// A destination a session with `network = "allowlist"` may reach: one entry of `egress`,
 /// written `"HOST:PORT"`.
 ///
-/// `HOST` is a DNS name (compared without regard to case or a trailing dot), an IPv4 address, or
-/// an IPv6 address in brackets; `PORT` is 1 to 65535. There are no wildcards: each name is one
+/// `HOST` is a DNS name (compared without regard to case), an IPv4 address, or an IPv6 address in
+/// brackets; `PORT` is 1 to 65535 in decimal digits. Each destination has one spelling: a name
+/// with a trailing dot, a port with a sign or a leading zero, and a URL (`http://a.com:443`) are
+/// refused rather than read as something else. There are no wildcards: each name is one
 /// destination. A loopback destination (`localhost`, `127.0.0.0/8`, `::1`) is
 /// [`is_loopback`](Self::is_loopback): the local runtime forwards it to the same port inside the
 /// session, the others are reached through the session's HTTP proxy.
@@ -87,8 +89,9 @@ impl EgressTarget {
         }
     }
 
-    /// Whether `host:port`, as a client names a destination (a name in any case, with or without
-    /// a trailing dot, or an address, IPv6 with or without brackets), is this destination.
+    /// Whether `host:port`, as a client names a destination (a name in any case, or an address,
+    /// IPv6 with or without brackets), is this destination. A host this type would refuse to
+    /// parse, such as a name with a trailing dot, matches nothing.
     pub fn matches(&self, host: &str, port: u16) -> bool {
         if port != self.port {
             return false;
@@ -99,17 +102,42 @@ impl EgressTarget {
             .unwrap_or(host);
         match (&self.host, bare.parse::<IpAddr>()) {
             (EgressHost::Ip(ip), Ok(asked)) => *ip == asked,
-            (EgressHost::Name(name), Err(_)) => {
-                let asked = bare.strip_suffix('.').unwrap_or(bare);
-                name.eq_ignore_ascii_case(asked)
-            }
+            (EgressHost::Name(name), Err(_)) => check_dns_name(bare).is_ok_and(|asked| *name == asked),
             _ => false,
+        }
+    }
+
+    /// Parses a destination as an HTTP proxy's client names it: `authority` is `HOST:PORT` (or
+    /// `HOST` alone when `default_port` is given, as in `http://host/`), in the same single
+    /// spelling as an `egress` entry.
+    ///
+    /// # Errors
+    ///
+    /// Why `authority` is not one destination, in a few words.
+    pub fn parse_authority(authority: &str, default_port: Option<u16>) -> Result<Self, String> {
+        let has_port = match authority.strip_prefix('[') {
+            Some(rest) => !rest.ends_with(']'),
+            None => authority.contains(':'),
+        };
+        match (has_port, default_port) {
+            (true, _) => Self::parse_reason(authority),
+            (false, Some(port)) => Self::parse_reason(&format!("{authority}:{port}")),
+            (false, None) => Err(format!("{authority:?}: no `:PORT`")),
         }
     }
 
     /// Parses `"HOST:PORT"`, returning the reason it is wrong on failure.
     fn parse_reason(text: &str) -> Result<Self, String> {
         let wrong = |why: &str| format!("{text:?}: {why}; expected {EGRESS_EXPECTED}");
+        if text.contains("://") {
+            return Err(wrong(
+                "a URL is not a destination: write only the host and port, without a scheme or path \
+                 (e.g. \"a.com:443\" for https://a.com)",
+            ));
+        }
+        if text.contains('/') {
+            return Err(wrong("a destination has no path: write only the host and port"));
+        }
         let (host, port) = if let Some(rest) = text.strip_prefix('[') {
             let (ip, port) = rest
                 .split_once("]:")
@@ -127,21 +155,30 @@ impl EgressTarget {
             };
             (host, port)
         };
+        // One spelling per port: `u16::from_str` would also take `+443` and `0443`.
+        let canonical =
+            !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) && !port.starts_with('0');
         let port = match port.parse::<u16>() {
-            Ok(port) if port != 0 => port,
-            _ => return Err(wrong("the port must be a number from 1 to 65535")),
+            Ok(port) if canonical => port,
+            _ => return Err(wrong(
+                "the port must be a number from 1 to 65535 in decimal digits, without a sign or leading zero",
+            )),
         };
         Ok(EgressTarget { host, port })
     }
 }
 
-/// `name` lowercased and without a trailing dot, if it is a DNS name: labels of 1 to 63 letters,
-/// digits and `-` (not first or last), at most 253 characters, not all digits.
+/// `name` lowercased, if it is a DNS name: labels of 1 to 63 letters, digits and `-` (not first or
+/// last), at most 253 characters, not all digits, and no trailing dot (the fully qualified
+/// spelling of the same name would be a second spelling of one destination).
 fn check_dns_name(name: &str) -> Result<String, String> {
-    let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
     if name.is_empty() {
         return Err("the host is empty".to_owned());
     }
+    if name.ends_with('.') {
+        return Err("a name is written without a trailing dot".to_owned());
+    }
+    let name = name.to_ascii_lowercase();
     if name.contains('*') {
         return Err("wildcards are not supported: list each host".to_owned());
     }
