@@ -912,3 +912,146 @@ fn run_shows_the_agent_what_agent_needs_lists_in_every_mode() {
         assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
     }
 }
+
+/// `run -- ARGV` keeps `[agent]`'s `env`, `inherit_env` and `needs` when `[agent]` names no
+/// `command` (the README and `run --help` say it keeps them); `run` without an argv then has no
+/// command to start and refuses, naming `agent.command`.
+#[test]
+fn run_with_an_argv_keeps_an_agent_section_without_a_command() {
+    use std::os::unix::fs::PermissionsExt;
+    let chmod = |path: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own.
+    let install = tempfile::Builder::new()
+        .prefix("oab-cli-rules-")
+        .tempdir_in("/var/tmp")
+        .expect("an installation directory");
+    chmod(install.path(), 0o755);
+    let lib = install.path().join("lib");
+    std::fs::create_dir(&lib).expect("mkdir");
+    chmod(&lib, 0o755);
+    std::fs::write(lib.join("words.sh"), "WORD=listed\n").expect("write");
+    chmod(&lib.join("words.sh"), 0o644);
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        chmod(dir.path(), 0o711);
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[agent]\nenv = {{ LIB = {lib:?} }}\ninherit_env = [\"OAB_TEST_INHERITED\"]\nneeds = [{lib:?}]\n\
+                 [session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "rules", "--"])
+            .args([
+                "/bin/sh",
+                "-c",
+                ". \"$LIB/words.sh\" && echo \"$WORD $OAB_TEST_INHERITED\"",
+            ])
+            .env("OAB_TEST_INHERITED", "inherited")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            "listed inherited\n",
+            "{sandbox}: {output:?}"
+        );
+        assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
+
+        let refused = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "no-command"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert!(!refused.status.success(), "{sandbox}: {refused:?}");
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains("agent.command"),
+            "{sandbox}: {refused:?}"
+        );
+    }
+}
+
+/// A `run` killed by SIGKILL cannot suspend its session itself: its guard does, so no agent is
+/// left running (nor anything it started) and the session is recorded `suspended`, in every
+/// mode (bubblewrap's `--die-with-parent` ended its agent before; plain and Landlock agents ran
+/// on until `gc`).
+#[test]
+fn a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        // The agent starts a child and prints its pid (a host pid without a pid namespace).
+        let mut run = spawn_run(
+            &config,
+            "sigkill",
+            &["/bin/sh", "-c", "sleep 300 & echo $!; wait"],
+        );
+        let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+        let (pid, start) = attached_worker(&mut stderr);
+        let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("the child's pid");
+        let child: u32 = line.trim().parse().expect("a pid");
+        let child_start = (sandbox != "bubblewrap").then(|| {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .expect("the child runs")
+                .rsplit_once(") ")
+                .expect("stat")
+                .1
+                .split(' ')
+                .nth(19)
+                .expect("start time")
+                .parse::<u64>()
+                .expect("start time")
+        });
+        run.kill().expect("SIGKILL run");
+        let _ = run.wait();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let left = || {
+            still_runs(pid, start) || child_start.is_some_and(|child_start| still_runs(child, child_start))
+        };
+        while left() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let survived = left();
+        if survived {
+            for (pid, start) in [(pid, Some(start)), (child, child_start)] {
+                if start.is_some_and(|start| still_runs(pid, start)) {
+                    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                }
+            }
+        }
+        assert!(
+            !survived,
+            "{sandbox}: the agent {pid} (or its child {child}) outlived a SIGKILLed run"
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while only_session_state(&config) != "suspended" && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert_eq!(only_session_state(&config), "suspended", "{sandbox}");
+        // What the guard said reaches run's stderr, which it inherited.
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+        assert!(rest.contains("suspending it"), "{sandbox}: {rest}");
+    }
+}

@@ -115,6 +115,14 @@ enum Command {
         #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
         lease_duration: std::time::Duration,
     },
+    /// Suspends session ID once its stdin ends without a `done` line: `run` starts it and holds
+    /// its stdin, so a `run` killed by SIGKILL (which cannot suspend its session itself) leaves
+    /// no agent running. Used by `run`.
+    #[command(name = "__run-guard", hide = true)]
+    RunGuard {
+        /// The session `run` attached.
+        id: String,
+    },
     /// Runs the bundled ACP test agent on stdio (used by `verify`).
     #[command(name = "__acp-test-agent", hide = true)]
     TestAgent {

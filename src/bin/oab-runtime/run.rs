@@ -13,6 +13,12 @@
 //! Nothing the agent started outlives `run`: `run` is the subreaper of everything below it, and
 //! kills what is left there once the session is suspended.
 //!
+//! A `run` killed by SIGKILL cannot suspend its session itself. Its guard does: a second
+//! `oab-runtime` process (`__run-guard ID`, in a process group of its own so a terminal's
+//! signals do not reach it) that `run` starts before it creates the session and tells when it is
+//! done; if its stdin (held only by `run`) ends without that, `run` died, and the guard suspends
+//! the session, which stops the agent and everything it started, in every sandbox mode.
+//!
 //! Every line of stdin reaches the agent byte for byte, not UTF-8 included (JSON-RPC over ACP is
 //! UTF-8, but `run` does not judge: the agent reports what it cannot parse); only blank lines,
 //! which carry no message, are left out. The one exception: the `cwd` of `session/new` and
@@ -69,20 +75,20 @@ enum Ending {
 }
 
 /// The agent `run` starts: `-- ARGV` replaces the configured command and arguments but keeps
-/// `[agent]`'s environment rules and `needs`, and each `--env` adds one (`KEY=VALUE` sets, `KEY`
-/// inherits).
+/// `[agent]`'s environment rules and `needs` (also when `[agent]` names no command), and each
+/// `--env` adds one (`KEY=VALUE` sets, `KEY` inherits). Without `-- ARGV`, `[agent]` must name a
+/// command; without `[agent]` the bundled test agent runs.
 fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Result<AgentCommand, Error> {
     let mut agent = match (argv.split_first(), &settings.agent) {
-        (Some((program, args)), configured) => {
-            let mut agent = AgentCommand::new(program).args(args.iter().cloned());
-            if let Some(configured) = configured {
-                agent.env = configured.env.clone();
-                agent.inherit_env = configured.inherit_env.clone();
-                agent.needs = configured.needs.clone();
-            }
-            agent
-        }
-        (None, Some(configured)) => configured.clone(),
+        (Some((program, args)), Some(configured)) => configured.with_argv(program, args),
+        (Some((program, args)), None) => AgentCommand::new(program).args(args.iter().cloned()),
+        (None, Some(configured)) => configured.command().ok_or_else(|| Error::InvalidConfig {
+            key: "agent.command".into(),
+            reason: "[agent] names no command, and `run` was given none after `--`: set \
+                     agent.command, or give the agent's command as `run ... -- PROGRAM ARGS...` \
+                     (it keeps [agent]'s env, inherit_env and needs)"
+                .into(),
+        })?,
         (None, None) => crate::commands::bundled_test_agent()?,
     };
     for entry in env {
@@ -131,6 +137,7 @@ pub(crate) async fn run(
         platform,
         thread,
     )?;
+    let guard = Guard::start(&settings, &identity.id());
     let handle = runtime.create(&identity, &CreateOptions::new()).await?;
     eprintln!(
         "session {} ({}, generation {}); attaching...",
@@ -206,10 +213,84 @@ pub(crate) async fn run(
         describe(ending, ended_alone)
     );
     let suspended = runtime.suspend(&handle.id, SuspendReason::Shutdown).await;
+    drop(guard);
     kill_adopted_orphans();
     suspended?;
     eprintln!("session {} suspended", handle.id);
     Ok(ExitCode::from(exit_status(ending, ended_alone)))
+}
+
+/// What `run` tells its guard when it ends by itself.
+const GUARD_DONE: &[u8] = b"done\n";
+
+/// `run`'s guard (see the module documentation), told `done` when dropped: on every way out of
+/// `run` but SIGKILL.
+struct Guard {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Guard {
+    /// Starts the guard of session `id`; `None` (said on stderr) if it cannot start: `run` then
+    /// works as before, and a SIGKILL leaves its agent to `gc`.
+    fn start(settings: &Settings, id: &openab_runtime::SessionId) -> Option<Guard> {
+        use std::os::unix::process::CommandExt;
+        let started = std::env::current_exe().and_then(|exe| {
+            let mut command = std::process::Command::new(exe);
+            if let Some(path) = &settings.path {
+                command.arg("--config").arg(path);
+            }
+            command
+                .arg("__run-guard")
+                .arg(id.to_string())
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::null())
+                .process_group(0)
+                .spawn()
+        });
+        match started {
+            Ok(mut child) => Some(Guard {
+                stdin: child.stdin.take(),
+                child,
+            }),
+            Err(error) => {
+                eprintln!(
+                    "oab-runtime: cannot start the guard that suspends the session if run is killed: {error}; \
+                     after a SIGKILL, `oab-runtime gc` stops the agent"
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        use std::io::Write;
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.write_all(GUARD_DONE);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// `__run-guard ID`: waits for its stdin to end; unless `run` said `done` first, suspends the
+/// session (see the module documentation).
+pub(crate) async fn guard(settings: &Settings, id: &str) -> crate::commands::Outcome {
+    let id = openab_runtime::SessionId::parse(id.trim())?;
+    let mut said = Vec::new();
+    let mut stdin = tokio::io::stdin();
+    // Ends at EOF: `run` closed it (after `done`) or died.
+    let _ = stdin.read_to_end(&mut said).await;
+    if said == GUARD_DONE {
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("oab-runtime: run of session {id} ended without suspending it (killed?); suspending it");
+    runtime(settings, None)?
+        .suspend(&id, SuspendReason::Shutdown)
+        .await?;
+    eprintln!("session {id} suspended");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The signals that end `run`: each suspends the session, then `run` exits.
