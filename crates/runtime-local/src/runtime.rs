@@ -563,7 +563,7 @@ impl LocalRuntime {
             // are still checked, and the program's own files need no looking up.
             return needs::listed(&agent.needs);
         }
-        needs::resolve(&agent.program, &agent.needs, &self.agent_path_var())
+        needs::resolve(&agent.program, &agent.args, &agent.needs, &self.agent_path_var())
     }
 
     /// The `PATH` the agent gets (see [`environment`](Self::environment)).
