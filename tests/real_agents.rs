@@ -147,7 +147,9 @@ fn answer(stream: TcpStream, served: &AtomicUsize) {
 }
 
 /// A JSON-RPC peer over a child's stdio, answering the agent's own requests (permissions) with
-/// `cancelled`.
+/// `cancelled`. The child leads a process group of its own, which is killed when the peer is
+/// dropped (a real agent, e.g. codex-acp, does not exit at stdin EOF, and its Node launcher's
+/// native child would outlive a kill of the launcher alone).
 struct Peer {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -156,7 +158,9 @@ struct Peer {
 
 impl Peer {
     fn start(mut command: Command) -> Peer {
+        use std::os::unix::process::CommandExt;
         let mut child = command
+            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -255,7 +259,8 @@ impl Peer {
         (took, chunks)
     }
 
-    /// Closes stdin and waits for the child to end (killing it after `grace`).
+    /// Closes stdin and waits for the child to end (its process group is killed after `grace`,
+    /// and in any case when the peer is dropped).
     fn finish(mut self, grace: Duration) -> Option<i32> {
         drop(self.stdin.take());
         let deadline = Instant::now() + grace;
@@ -265,9 +270,21 @@ impl Peer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        None
+    }
+}
+
+impl Drop for Peer {
+    /// Kills the child's process group (what the child left in it too), then reaps the child.
+    fn drop(&mut self) {
+        let group = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(group) = group {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        None
     }
 }
 
