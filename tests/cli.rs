@@ -1055,3 +1055,39 @@ fn a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode() {
         assert!(rest.contains("suspending it"), "{sandbox}: {rest}");
     }
 }
+
+/// A sandboxed agent that fails as it starts is most often missing a file of the host it was
+/// not shown: the log says that `agent.needs` may be missing it (plain mode shows everything,
+/// and says nothing of the kind).
+#[test]
+fn a_sandboxed_agent_failing_at_start_is_told_about_agent_needs() {
+    use std::os::unix::fs::PermissionsExt;
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = oab_runtime()
+            .env("OAB_LOG", "warn")
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "fails", "--"])
+            .args(["/bin/sh", "-c", "echo 'cannot find /opt/lib/x' >&2; exit 3"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert_eq!(output.status.code(), Some(3), "{sandbox}: {output:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            stderr.contains("`agent.needs` may be missing"),
+            sandbox != "none",
+            "{sandbox}: {stderr}"
+        );
+    }
+}

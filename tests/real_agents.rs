@@ -1,17 +1,21 @@
-//! Real third-party ACP agents through `oab-runtime run`, in plain, bubblewrap and Landlock modes,
-//! configured only with the README's `[agent]` keys (`command`, `args`, `env`, `needs`), each
-//! completing a prompt turn against a fake model endpoint this test serves on 127.0.0.1:
+//! Real third-party ACP agents through `oab-runtime run`, in plain, bubblewrap, Landlock and
+//! bubblewrap with `network = "allowlist"` modes, configured only with the README's `[agent]`
+//! keys (`command`, `args`, `env`; no `needs`: what each needs is shown by default), each
+//! completing a prompt turn against a fake model endpoint this test serves on 127.0.0.1 (with
+//! `allowlist`, reached through the loopback `egress` entry for its port):
 //!
-//! - **Node**: `@zed-industries/codex-acp` from npm, started through its Node launcher
-//!   (`bin/codex-acp.js`, which runs the native agent of its platform package, hence
-//!   `needs = [<its node_modules>]`), pointed at the endpoint's Responses API with `-c` overrides;
-//! - **Python**: `tests/fixtures/real-agents/python-agent.py` on the Python ACP SDK from PyPI
-//!   (installed with `pip --target` into a directory of its own, named in `needs` and
-//!   `PYTHONPATH`), which calls the endpoint's chat completions.
+//! - **Node**: `@zed-industries/codex-acp` from npm, installed as a user installs it
+//!   (`npm install --global --prefix`), started by its `bin/codex-acp` link into the package
+//!   (whose Node launcher runs the native agent of its platform package, nested in the package's
+//!   `node_modules`), pointed at the endpoint's Responses API with `-c` overrides;
+//! - **Python**: `tests/fixtures/real-agents/python-agent.py` on the Python ACP SDK from PyPI,
+//!   run as `<venv>/bin/python agent.py` in a virtual environment made with an interpreter outside
+//!   `/usr` (as pyenv, uv or conda install one), which calls the endpoint's chat completions.
 //!
 //! `tests/fixtures/real-agents/install.sh` installs both into `<target>/real-acp-agents` (pinned;
 //! a no-op once done); `scripts/test` runs it and then this test. For each agent and mode it
 //! prints the time of one prompt turn through `run` and of the same agent started directly.
+//! Every process it starts leads a process group of its own, killed when it is done with it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -299,14 +303,13 @@ struct Agent {
 
 fn agents(dir: &Path, model_port: u16) -> Vec<Agent> {
     let base_url = format!("http://127.0.0.1:{model_port}/v1");
-    let codex_modules = dir.join("codex/node_modules");
     let provider = format!(
         "model_providers.fake={{name=\"fake\",base_url=\"{base_url}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\"}}"
     );
     vec![
         Agent {
             name: "node-codex-acp",
-            command: codex_modules.join("@zed-industries/codex-acp/bin/codex-acp.js"),
+            command: dir.join("codex/bin/codex-acp"),
             args: [
                 "-c",
                 "model_provider=\"fake\"",
@@ -321,20 +324,19 @@ fn agents(dir: &Path, model_port: u16) -> Vec<Agent> {
                 ("PATH", "/usr/bin:/bin".to_owned()),
                 ("OPENAI_API_KEY", "sk-test".to_owned()),
             ],
-            needs: vec![codex_modules.clone()],
+            needs: Vec::new(),
         },
         Agent {
-            name: "python-sdk-agent",
-            command: dir.join("python-agent/agent.py"),
-            args: Vec::new(),
+            name: "python-venv-agent",
+            command: dir.join("python-venv/bin/python"),
+            args: vec![dir.join("python-agent/agent.py").display().to_string()],
             env: vec![
                 ("PATH", "/usr/bin:/bin".to_owned()),
-                ("PYTHONPATH", dir.join("python-site").display().to_string()),
                 ("PYTHONDONTWRITEBYTECODE", "1".to_owned()),
                 ("OPENAI_BASE_URL", base_url),
                 ("OPENAI_API_KEY", "sk-test".to_owned()),
             ],
-            needs: vec![dir.join("python-site")],
+            needs: Vec::new(),
         },
     ]
 }
@@ -395,7 +397,14 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
             agent.name
         );
 
-        for sandbox in ["none", "bubblewrap", "landlock"] {
+        for mode in ["none", "bubblewrap", "landlock", "allowlist"] {
+            let (sandbox, network) = match mode {
+                "allowlist" => (
+                    "bubblewrap",
+                    format!("network = \"allowlist\"\negress = [\"127.0.0.1:{port}\"]\n"),
+                ),
+                sandbox => (sandbox, String::new()),
+            };
             let work = tempfile::tempdir().expect("temp dir");
             std::fs::set_permissions(work.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711))
                 .expect("chmod");
@@ -404,7 +413,7 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
                 &config,
                 format!(
                     "{}[session_runtime]\ninstallation = \"real-agents\"\n\
-                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n{network}",
                     agent_table(&agent),
                     work.path().join("sessions").display().to_string(),
                 ),
@@ -419,19 +428,19 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
             // `run` replaces this cwd with the session's working directory.
             let (through_run, text) = peer.prompt_turn("/nonexistent");
             let code = peer.finish(Duration::from_secs(30));
-            assert!(text.contains(ANSWER), "{} in {sandbox}: {text:?}", agent.name);
+            assert!(text.contains(ANSWER), "{} in {mode}: {text:?}", agent.name);
             assert!(
                 served.load(Ordering::SeqCst) > before,
-                "{} in {sandbox}: no model call",
+                "{} in {mode}: no model call",
                 agent.name
             );
             assert!(
                 code.is_some(),
-                "{} in {sandbox}: run did not end after stdin EOF",
+                "{} in {mode}: run did not end after stdin EOF",
                 agent.name
             );
             report.push(format!(
-                "{:<17} {sandbox:<10} run {:>7.1} ms   direct {:>7.1} ms",
+                "{:<17} {mode:<10} run {:>7.1} ms   direct {:>7.1} ms",
                 agent.name,
                 through_run.as_secs_f64() * 1000.0,
                 baseline.as_secs_f64() * 1000.0

@@ -417,6 +417,7 @@ impl LocalRuntime {
                     self.settings.agent_stderr,
                     limits.clone(),
                     entry == Some(CgroupEntry::Birth),
+                    (self.sandbox.kind() != SandboxKind::None).then(|| self.sandbox.kind().as_str()),
                 )
             }
             Err(error) => Err(error),
