@@ -68,8 +68,8 @@ enum Command {
         /// this shell's means nothing inside a session), and says so once on stderr.
         #[arg(long)]
         keep_cwd: bool,
-        /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
-        /// `inherit_env` and `needs` still apply).
+        /// The agent command, overriding `[agent]`'s command and arguments (its `env`,
+        /// `inherit_env` and `needs` still apply, also when `[agent]` has no `command`).
         #[arg(last = true, value_name = "AGENT ARGV")]
         argv: Vec<String>,
     },
