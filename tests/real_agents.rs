@@ -8,6 +8,9 @@
 //!   (`npm install --global --prefix`), started by its `bin/codex-acp` link into the package
 //!   (whose Node launcher runs the native agent of its platform package, nested in the package's
 //!   `node_modules`), pointed at the endpoint's Responses API with `-c` overrides;
+//! - **Node**: `@zed-industries/claude-code-acp` from npm, installed the same way, which runs the
+//!   Claude Code CLI of its `@anthropic-ai/claude-agent-sdk` dependency, pointed at the endpoint's
+//!   Anthropic Messages API with `ANTHROPIC_BASE_URL`;
 //! - **Python**: `tests/fixtures/real-agents/python-agent.py` on the Python ACP SDK from PyPI,
 //!   run as `<venv>/bin/python agent.py` in a virtual environment made with an interpreter outside
 //!   `/usr` (as pyenv, uv or conda install one), which calls the endpoint's chat completions.
@@ -27,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-/// What the fake model says.
+/// What the fake model says (in OpenAI's chat completions and Responses APIs and Anthropic's
+/// Messages API).
 const ANSWER: &str = "pong from the fake model";
 /// How long one request may take to be answered.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -112,8 +116,13 @@ fn answer(stream: TcpStream, served: &AtomicUsize) {
     if reader.read_exact(&mut body).is_err() {
         return;
     }
-    let path = request_line.split(' ').nth(1).unwrap_or_default().to_owned();
-    let (content_type, payload) = if path.ends_with("/chat/completions") {
+    let target = request_line.split(' ').nth(1).unwrap_or_default();
+    let path = target.split('?').next().unwrap_or_default().to_owned();
+    let (content_type, payload) = if path.ends_with("/messages/count_tokens") {
+        ("application/json", json!({"input_tokens": 1}).to_string())
+    } else if path.ends_with("/v1/messages") {
+        anthropic_messages(&body)
+    } else if path.ends_with("/chat/completions") {
         let completion = json!({"id": "c1", "object": "chat.completion", "choices": [{"index": 0,
             "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "stop"}]});
         ("application/json", completion.to_string())
@@ -148,6 +157,41 @@ fn answer(stream: TcpStream, served: &AtomicUsize) {
         "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     );
+}
+
+/// An answer of Anthropic's Messages API to the request `body`: server-sent events when it asks
+/// for a stream, else one JSON message.
+fn anthropic_messages(body: &[u8]) -> (&'static str, String) {
+    let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let model = request["model"].as_str().unwrap_or("claude-fake").to_owned();
+    let usage = json!({"input_tokens": 1, "output_tokens": 1});
+    if request["stream"] != json!(true) {
+        let message = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": ANSWER}], "stop_reason": "end_turn",
+            "stop_sequence": null, "usage": usage});
+        return ("application/json", message.to_string());
+    }
+    let start = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage});
+    let events = [
+        json!({"type": "message_start", "message": start}),
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ANSWER}}),
+        json!({"type": "content_block_stop", "index": 0}),
+        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+            "usage": {"output_tokens": 1}}),
+        json!({"type": "message_stop"}),
+    ];
+    let stream = events
+        .iter()
+        .map(|event| {
+            format!(
+                "event: {}\ndata: {event}\n\n",
+                event["type"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    ("text/event-stream", stream)
 }
 
 /// A JSON-RPC peer over a child's stdio, answering the agent's own requests (permissions) with
@@ -323,6 +367,18 @@ fn agents(dir: &Path, model_port: u16) -> Vec<Agent> {
             env: vec![
                 ("PATH", "/usr/bin:/bin".to_owned()),
                 ("OPENAI_API_KEY", "sk-test".to_owned()),
+            ],
+            needs: Vec::new(),
+        },
+        Agent {
+            name: "node-claude-code",
+            command: dir.join("claude/bin/claude-code-acp"),
+            args: Vec::new(),
+            env: vec![
+                ("PATH", "/usr/bin:/bin".to_owned()),
+                ("ANTHROPIC_BASE_URL", format!("http://127.0.0.1:{model_port}")),
+                ("ANTHROPIC_API_KEY", "sk-ant-test".to_owned()),
+                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
             ],
             needs: Vec::new(),
         },
