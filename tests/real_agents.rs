@@ -17,7 +17,8 @@
 //!
 //! `tests/fixtures/real-agents/install.sh` installs both into `<target>/real-acp-agents` (pinned;
 //! a no-op once done); `scripts/test` runs it and then this test. For each agent and mode it
-//! prints the time of one prompt turn through `run` and of the same agent started directly.
+//! prints the time of one prompt turn through `run` and of the same agent started directly
+//! (`OAB_REAL_AGENTS=node-codex-acp,node-claude-code,python-venv-agent` chooses agents).
 //! Every process it starts leads a process group of its own, killed when it is done with it.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -432,7 +433,13 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
     let dir = installed_agents();
     let (port, served) = fake_model();
     let mut report = Vec::new();
-    for agent in agents(&dir, port) {
+    // `OAB_REAL_AGENTS=name,name` runs only those agents.
+    let only = std::env::var("OAB_REAL_AGENTS").ok();
+    let chosen = |name: &str| {
+        only.as_deref()
+            .is_none_or(|only| only.split(',').any(|n| n == name))
+    };
+    for agent in agents(&dir, port).into_iter().filter(|agent| chosen(agent.name)) {
         // The same agent started directly: the baseline.
         let home = tempfile::tempdir().expect("home");
         let mut direct = Command::new(&agent.command);
