@@ -1040,10 +1040,11 @@ fn a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode() {
                 }
             }
         }
-        assert!(
-            !survived,
-            "{sandbox}: the agent {pid} (or its child {child}) outlived a SIGKILLed run"
-        );
+        if survived {
+            let mut rest = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+            panic!("{sandbox}: the agent {pid} (or its child {child}) outlived a SIGKILLed run: {rest}");
+        }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while only_session_state(&config) != "suspended" && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(50));
@@ -1090,4 +1091,71 @@ fn a_sandboxed_agent_failing_at_start_is_told_about_agent_needs() {
             "{sandbox}: {stderr}"
         );
     }
+}
+
+/// The guard of a `run` suspends only the generation that `run` attached: a guard told another
+/// generation (a later `run` of the thread already replaced the worker) leaves it running, and
+/// so does one told `done`.
+#[test]
+fn a_run_guard_suspends_only_the_generation_its_run_attached() {
+    use std::io::{BufRead, Write};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let mut run = spawn_run(&config, "guarded", &["/bin/sh", "-c", "exec sleep 300"]);
+    let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    let (id, generation) = loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("stderr") > 0,
+            "run ended early"
+        );
+        if let Some(rest) = line.split("worker pid:").nth(1) {
+            let generation = rest
+                .split("/g")
+                .nth(1)
+                .expect("generation")
+                .split(' ')
+                .next()
+                .expect("g");
+            let id = ls(&config)
+                .lines()
+                .nth(1)
+                .expect("a session")
+                .split_whitespace()
+                .next()
+                .expect("id")
+                .to_owned();
+            break (id, generation.parse::<u64>().expect("generation"));
+        }
+    };
+    let guard = |said: &str| {
+        let mut guard = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["__run-guard", &id])
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("guard");
+        guard
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(said.as_bytes())
+            .expect("write");
+        let output = guard.wait_with_output().expect("guard");
+        assert!(output.status.success(), "{said:?}: {output:?}");
+    };
+    guard(&format!("generation {}\n", generation + 1));
+    assert_eq!(only_session_state(&config), "running", "another generation");
+    guard(&format!("generation {generation}\ndone\n"));
+    assert_eq!(only_session_state(&config), "running", "run said done");
+    // The generation `run` attached is suspended (by `run`'s own guard) once `run` is killed:
+    // `a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode`.
+    let _ = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status();
+    let output = wait_for_end(run, "SIGTERM");
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
 }
