@@ -807,6 +807,8 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         "lock",
         "record.json",
         ".record.json.tmp",
+        record::TRANSIENT_NAME,
+        record::TRANSIENT_TEMPORARY_NAME,
         "workspace",
         "home",
         "state",
