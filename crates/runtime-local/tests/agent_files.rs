@@ -366,6 +366,10 @@ async fn an_npm_installed_agent_needs_no_entry_in_every_mode() {
             continue;
         };
         assert_eq!(out, "nested=found hoisted=found\n", "{mode}");
+        // The same by name, on the agent's `PATH`.
+        let agent = AgentCommand::new("agent").env("PATH", agent_path(Some(&prefix.path().join("bin"))));
+        let out = output_of(agent, mode).await.expect("the mode worked above");
+        assert_eq!(out, "nested=found hoisted=found\n", "{mode}: by name");
     }
 }
 

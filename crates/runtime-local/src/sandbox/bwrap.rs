@@ -408,7 +408,13 @@ pub(crate) fn bwrap_args(
         args.push("--symlink").push(target).push(at);
     }
     let mut program = OsString::from(spec.program);
-    if let Some((real, shown)) = program_mount(readonly, spec.program) {
+    // A name looked up on `PATH` is started by the path it was found at on the host (the
+    // sandbox does not show that directory unless it is a system one).
+    let configured = match spec.needs.iter().find(|need| need.why == Why::Command) {
+        Some(found) if !spec.program.contains('/') => found.named.to_str().unwrap_or(spec.program),
+        _ => spec.program,
+    };
+    if let Some((real, shown)) = program_mount(readonly, configured) {
         let with_its_directory = mounts.binds.iter().find_map(|(host, at)| {
             let inside = real.strip_prefix(host).ok()?;
             Some(at.join(inside))
@@ -426,7 +432,7 @@ pub(crate) fn bwrap_args(
                 shown
             }
         };
-        let (path, link) = exec_path(layout, &mounts, Path::new(spec.program), &real, &shown);
+        let (path, link) = exec_path(layout, &mounts, Path::new(configured), &real, &shown);
         if let Some((target, at)) = link {
             need_parents(&mut args, layout, &at, &mut created);
             args.push("--symlink").push(target).push(at);
