@@ -271,9 +271,10 @@ fn need_parents(args: &mut Args, layout: &HostLayout, at: &Path, created: &mut V
     }
 }
 
-/// How the agent program gets into the sandbox: its real file (links resolved, so `/usr/local/bin/agent -> /opt/agent/bin/agent` binds
-/// the real file), bound read-only at the same path, or under [`HOST_PROGRAMS`] when that path is
-/// one the sandbox replaces (e.g. an agent built under the host's `/tmp`). Returns the host file
+/// How the agent program gets into the sandbox: its real file (links resolved, so
+/// `/usr/local/bin/agent -> /opt/agent/bin/agent` binds the real file), bound read-only at the
+/// same path, or under [`HOST_PROGRAMS`] when that path is one the sandbox replaces (e.g. an agent
+/// built under the host's `/tmp`). Returns the host file
 /// and the path to execute. A name without `/` (looked up on `PATH`), a missing file, and a path
 /// under a read-only input's sandbox path, `/workspace`, `/home/agent` or `/state` (a file inside
 /// the sandbox) need no mount; the caller binds nothing for a real file in the system
