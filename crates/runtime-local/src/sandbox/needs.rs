@@ -519,6 +519,49 @@ mod tests {
     }
 
     #[test]
+    fn arguments_name_files_only_as_absolute_paths_to_host_files_outside_the_sandbox_paths() {
+        // Not under /tmp, whose paths an argument means as the sandbox's own.
+        let dir = tempfile::Builder::new().tempdir_in("/var/tmp").expect("tempdir");
+        let script = dir.path().join("agent.py");
+        std::fs::write(&script, "print()\n").expect("write");
+        let args: Vec<String> = [
+            "--flag",
+            "agent.py",
+            &script.display().to_string(),
+            &dir.path().display().to_string(),
+            "/workspace/agent.py",
+            "/tmp",
+            "/no/such/file",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let found = argument_files(&args);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].named, script);
+        assert_eq!(found[0].why, Why::Argument(3));
+        assert_eq!(found[0].why.key(), ARGS_KEY);
+    }
+
+    #[test]
+    fn a_package_root_is_a_virtual_environment_or_the_node_modules_a_package_is_in() {
+        let dir = tempfile::Builder::new().tempdir_in("/var/tmp").expect("tempdir");
+        let venv = dir.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).expect("mkdir");
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").expect("write");
+        assert_eq!(package_roots(&venv.join("bin/python")), vec![venv.clone()]);
+        let modules = dir.path().join("lib/node_modules");
+        let package = modules.join("@scope/pkg");
+        std::fs::create_dir_all(package.join("dist")).expect("mkdir");
+        std::fs::write(package.join("package.json"), "{}").expect("write");
+        assert_eq!(package_roots(&package.join("dist/index.js")), vec![modules]);
+        let alone = dir.path().join("alone");
+        std::fs::create_dir_all(alone.join("bin")).expect("mkdir");
+        std::fs::write(alone.join("package.json"), "{}").expect("write");
+        assert_eq!(package_roots(&alone.join("bin/agent.js")), vec![alone]);
+        assert_eq!(package_roots(Path::new("/usr/bin/env")), Vec::<PathBuf>::new());
+    }
+
+    #[test]
     fn a_root_that_does_not_exist_yet_is_resolved_as_far_as_it_exists() {
         let dir = tempfile::tempdir().expect("tempdir");
         let link = dir.path().join("link");
