@@ -943,3 +943,250 @@ fn ls_shows_a_session_whose_start_failed() {
         "the error names the agent:\n{listing}"
     );
 }
+
+/// `run -- ARGV` keeps `[agent]`'s `env`, `inherit_env` and `needs` when `[agent]` names no
+/// `command` (the README and `run --help` say it keeps them); `run` without an argv then has no
+/// command to start and refuses, naming `agent.command`.
+#[test]
+fn run_with_an_argv_keeps_an_agent_section_without_a_command() {
+    use std::os::unix::fs::PermissionsExt;
+    let chmod = |path: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod")
+    };
+    // Outside /tmp, which a bubblewrap sandbox replaces with the session's own.
+    let install = tempfile::Builder::new()
+        .prefix("oab-cli-rules-")
+        .tempdir_in("/var/tmp")
+        .expect("an installation directory");
+    chmod(install.path(), 0o755);
+    let lib = install.path().join("lib");
+    std::fs::create_dir(&lib).expect("mkdir");
+    chmod(&lib, 0o755);
+    std::fs::write(lib.join("words.sh"), "WORD=listed\n").expect("write");
+    chmod(&lib.join("words.sh"), 0o644);
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        chmod(dir.path(), 0o711);
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[agent]\nenv = {{ LIB = {lib:?} }}\ninherit_env = [\"OAB_TEST_INHERITED\"]\nneeds = [{lib:?}]\n\
+                 [session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "rules", "--"])
+            .args([
+                "/bin/sh",
+                "-c",
+                ". \"$LIB/words.sh\" && echo \"$WORD $OAB_TEST_INHERITED\"",
+            ])
+            .env("OAB_TEST_INHERITED", "inherited")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            "listed inherited\n",
+            "{sandbox}: {output:?}"
+        );
+        assert_eq!(output.status.code(), Some(0), "{sandbox}: {output:?}");
+
+        let refused = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "no-command"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert!(!refused.status.success(), "{sandbox}: {refused:?}");
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains("agent.command"),
+            "{sandbox}: {refused:?}"
+        );
+    }
+}
+
+/// A `run` killed by SIGKILL cannot suspend its session itself: its guard does, so no agent is
+/// left running (nor anything it started) and the session is recorded `suspended`, in every
+/// mode (bubblewrap's `--die-with-parent` ended its agent before; plain and Landlock agents ran
+/// on until `gc`).
+#[test]
+fn a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        // The agent starts a child and prints its pid (a host pid without a pid namespace).
+        let mut run = spawn_run(
+            &config,
+            "sigkill",
+            &["/bin/sh", "-c", "sleep 300 & echo $!; wait"],
+        );
+        let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+        let (pid, start) = attached_worker(&mut stderr);
+        let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("the child's pid");
+        let child: u32 = line.trim().parse().expect("a pid");
+        let child_start = (sandbox != "bubblewrap").then(|| {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .expect("the child runs")
+                .rsplit_once(") ")
+                .expect("stat")
+                .1
+                .split(' ')
+                .nth(19)
+                .expect("start time")
+                .parse::<u64>()
+                .expect("start time")
+        });
+        run.kill().expect("SIGKILL run");
+        let _ = run.wait();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let left = || {
+            still_runs(pid, start) || child_start.is_some_and(|child_start| still_runs(child, child_start))
+        };
+        while left() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let survived = left();
+        if survived {
+            for (pid, start) in [(pid, Some(start)), (child, child_start)] {
+                if start.is_some_and(|start| still_runs(pid, start)) {
+                    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                }
+            }
+        }
+        if survived {
+            let mut rest = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+            panic!("{sandbox}: the agent {pid} (or its child {child}) outlived a SIGKILLed run: {rest}");
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while only_session_state(&config) != "suspended" && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert_eq!(only_session_state(&config), "suspended", "{sandbox}");
+        // What the guard said reaches run's stderr, which it inherited.
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+        assert!(rest.contains("suspending it"), "{sandbox}: {rest}");
+    }
+}
+
+/// A sandboxed agent that fails as it starts is most often missing a file of the host it was
+/// not shown: the log says that `agent.needs` may be missing it (plain mode shows everything,
+/// and says nothing of the kind).
+#[test]
+fn a_sandboxed_agent_failing_at_start_is_told_about_agent_needs() {
+    use std::os::unix::fs::PermissionsExt;
+    for sandbox in ["none", "bubblewrap", "landlock"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[session_runtime]\ninstallation = \"cli\"\n\
+                 [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n",
+                dir.path().join("sessions"),
+            ),
+        );
+        let output = oab_runtime()
+            .env("OAB_LOG", "warn")
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--platform", "discord", "--thread", "fails", "--"])
+            .args(["/bin/sh", "-c", "echo 'cannot find /opt/lib/x' >&2; exit 3"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run");
+        assert_eq!(output.status.code(), Some(3), "{sandbox}: {output:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            stderr.contains("`agent.needs` may be missing"),
+            sandbox != "none",
+            "{sandbox}: {stderr}"
+        );
+    }
+}
+
+/// The guard of a `run` suspends only the generation that `run` attached: a guard told another
+/// generation (a later `run` of the thread already replaced the worker) leaves it running, and
+/// so does one told `done`.
+#[test]
+fn a_run_guard_suspends_only_the_generation_its_run_attached() {
+    use std::io::{BufRead, Write};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, _root) = plain_config(dir.path());
+    let mut run = spawn_run(&config, "guarded", &["/bin/sh", "-c", "exec sleep 300"]);
+    let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    let (id, generation) = loop {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("stderr") > 0,
+            "run ended early"
+        );
+        if let Some(rest) = line.split("worker pid:").nth(1) {
+            let generation = rest
+                .split("/g")
+                .nth(1)
+                .expect("generation")
+                .split(' ')
+                .next()
+                .expect("g");
+            let id = ls(&config)
+                .lines()
+                .nth(1)
+                .expect("a session")
+                .split_whitespace()
+                .next()
+                .expect("id")
+                .to_owned();
+            break (id, generation.parse::<u64>().expect("generation"));
+        }
+    };
+    let guard = |said: &str| {
+        let mut guard = oab_runtime()
+            .arg("--config")
+            .arg(&config)
+            .args(["__run-guard", &id])
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("guard");
+        guard
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(said.as_bytes())
+            .expect("write");
+        let output = guard.wait_with_output().expect("guard");
+        assert!(output.status.success(), "{said:?}: {output:?}");
+    };
+    guard(&format!("generation {}\n", generation + 1));
+    assert_eq!(only_session_state(&config), "running", "another generation");
+    guard(&format!("generation {generation}\ndone\n"));
+    assert_eq!(only_session_state(&config), "running", "run said done");
+    // The generation `run` attached is suspended (by `run`'s own guard) once `run` is killed:
+    // `a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode`.
+    let _ = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status();
+    let output = wait_for_end(run, "SIGTERM");
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
+}

@@ -1,17 +1,25 @@
-//! Real third-party ACP agents through `oab-runtime run`, in plain, bubblewrap and Landlock modes,
-//! configured only with the README's `[agent]` keys (`command`, `args`, `env`, `needs`), each
-//! completing a prompt turn against a fake model endpoint this test serves on 127.0.0.1:
+//! Real third-party ACP agents through `oab-runtime run`, in plain, bubblewrap, Landlock and
+//! bubblewrap with `network = "allowlist"` modes, configured only with the README's `[agent]`
+//! keys (`command`, `args`, `env`; no `needs`: what each needs is shown by default), each
+//! completing a prompt turn against a fake model endpoint this test serves on 127.0.0.1 (with
+//! `allowlist`, reached through the loopback `egress` entry for its port):
 //!
-//! - **Node**: `@zed-industries/codex-acp` from npm, started through its Node launcher
-//!   (`bin/codex-acp.js`, which runs the native agent of its platform package, hence
-//!   `needs = [<its node_modules>]`), pointed at the endpoint's Responses API with `-c` overrides;
-//! - **Python**: `tests/fixtures/real-agents/python-agent.py` on the Python ACP SDK from PyPI
-//!   (installed with `pip --target` into a directory of its own, named in `needs` and
-//!   `PYTHONPATH`), which calls the endpoint's chat completions.
+//! - **Node**: `@zed-industries/codex-acp` from npm, installed as a user installs it
+//!   (`npm install --global --prefix`), started by its `bin/codex-acp` link into the package
+//!   (whose Node launcher runs the native agent of its platform package, nested in the package's
+//!   `node_modules`), pointed at the endpoint's Responses API with `-c` overrides;
+//! - **Node**: `@zed-industries/claude-code-acp` from npm, installed the same way, which runs the
+//!   Claude Code CLI of its `@anthropic-ai/claude-agent-sdk` dependency, pointed at the endpoint's
+//!   Anthropic Messages API with `ANTHROPIC_BASE_URL`;
+//! - **Python**: `tests/fixtures/real-agents/python-agent.py` on the Python ACP SDK from PyPI,
+//!   run as `<venv>/bin/python agent.py` in a virtual environment made with an interpreter outside
+//!   `/usr` (as pyenv, uv or conda install one), which calls the endpoint's chat completions.
 //!
 //! `tests/fixtures/real-agents/install.sh` installs both into `<target>/real-acp-agents` (pinned;
 //! a no-op once done); `scripts/test` runs it and then this test. For each agent and mode it
-//! prints the time of one prompt turn through `run` and of the same agent started directly.
+//! prints the time of one prompt turn through `run` and of the same agent started directly
+//! (`OAB_REAL_AGENTS=node-codex-acp,node-claude-code,python-venv-agent` chooses agents).
+//! Every process it starts leads a process group of its own, killed when it is done with it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -23,7 +31,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-/// What the fake model says.
+/// What the fake model says (in OpenAI's chat completions and Responses APIs and Anthropic's
+/// Messages API).
 const ANSWER: &str = "pong from the fake model";
 /// How long one request may take to be answered.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -108,8 +117,13 @@ fn answer(stream: TcpStream, served: &AtomicUsize) {
     if reader.read_exact(&mut body).is_err() {
         return;
     }
-    let path = request_line.split(' ').nth(1).unwrap_or_default().to_owned();
-    let (content_type, payload) = if path.ends_with("/chat/completions") {
+    let target = request_line.split(' ').nth(1).unwrap_or_default();
+    let path = target.split('?').next().unwrap_or_default().to_owned();
+    let (content_type, payload) = if path.ends_with("/messages/count_tokens") {
+        ("application/json", json!({"input_tokens": 1}).to_string())
+    } else if path.ends_with("/v1/messages") {
+        anthropic_messages(&body)
+    } else if path.ends_with("/chat/completions") {
         let completion = json!({"id": "c1", "object": "chat.completion", "choices": [{"index": 0,
             "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "stop"}]});
         ("application/json", completion.to_string())
@@ -146,8 +160,45 @@ fn answer(stream: TcpStream, served: &AtomicUsize) {
     );
 }
 
+/// An answer of Anthropic's Messages API to the request `body`: server-sent events when it asks
+/// for a stream, else one JSON message.
+fn anthropic_messages(body: &[u8]) -> (&'static str, String) {
+    let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let model = request["model"].as_str().unwrap_or("claude-fake").to_owned();
+    let usage = json!({"input_tokens": 1, "output_tokens": 1});
+    if request["stream"] != json!(true) {
+        let message = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": ANSWER}], "stop_reason": "end_turn",
+            "stop_sequence": null, "usage": usage});
+        return ("application/json", message.to_string());
+    }
+    let start = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage});
+    let events = [
+        json!({"type": "message_start", "message": start}),
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ANSWER}}),
+        json!({"type": "content_block_stop", "index": 0}),
+        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+            "usage": {"output_tokens": 1}}),
+        json!({"type": "message_stop"}),
+    ];
+    let stream = events
+        .iter()
+        .map(|event| {
+            format!(
+                "event: {}\ndata: {event}\n\n",
+                event["type"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    ("text/event-stream", stream)
+}
+
 /// A JSON-RPC peer over a child's stdio, answering the agent's own requests (permissions) with
-/// `cancelled`.
+/// `cancelled`. The child leads a process group of its own, which is killed when the peer is
+/// dropped (a real agent, e.g. codex-acp, does not exit at stdin EOF, and its Node launcher's
+/// native child would outlive a kill of the launcher alone).
 struct Peer {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -156,7 +207,9 @@ struct Peer {
 
 impl Peer {
     fn start(mut command: Command) -> Peer {
+        use std::os::unix::process::CommandExt;
         let mut child = command
+            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -255,7 +308,8 @@ impl Peer {
         (took, chunks)
     }
 
-    /// Closes stdin and waits for the child to end (killing it after `grace`).
+    /// Closes stdin and waits for the child to end (its process group is killed after `grace`,
+    /// and in any case when the peer is dropped).
     fn finish(mut self, grace: Duration) -> Option<i32> {
         drop(self.stdin.take());
         let deadline = Instant::now() + grace;
@@ -265,9 +319,21 @@ impl Peer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        None
+    }
+}
+
+impl Drop for Peer {
+    /// Kills the child's process group (what the child left in it too), then reaps the child.
+    fn drop(&mut self) {
+        let group = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(group) = group {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        None
     }
 }
 
@@ -282,14 +348,13 @@ struct Agent {
 
 fn agents(dir: &Path, model_port: u16) -> Vec<Agent> {
     let base_url = format!("http://127.0.0.1:{model_port}/v1");
-    let codex_modules = dir.join("codex/node_modules");
     let provider = format!(
         "model_providers.fake={{name=\"fake\",base_url=\"{base_url}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\"}}"
     );
     vec![
         Agent {
             name: "node-codex-acp",
-            command: codex_modules.join("@zed-industries/codex-acp/bin/codex-acp.js"),
+            command: dir.join("codex/bin/codex-acp"),
             args: [
                 "-c",
                 "model_provider=\"fake\"",
@@ -304,20 +369,31 @@ fn agents(dir: &Path, model_port: u16) -> Vec<Agent> {
                 ("PATH", "/usr/bin:/bin".to_owned()),
                 ("OPENAI_API_KEY", "sk-test".to_owned()),
             ],
-            needs: vec![codex_modules.clone()],
+            needs: Vec::new(),
         },
         Agent {
-            name: "python-sdk-agent",
-            command: dir.join("python-agent/agent.py"),
+            name: "node-claude-code",
+            command: dir.join("claude/bin/claude-code-acp"),
             args: Vec::new(),
             env: vec![
                 ("PATH", "/usr/bin:/bin".to_owned()),
-                ("PYTHONPATH", dir.join("python-site").display().to_string()),
+                ("ANTHROPIC_BASE_URL", format!("http://127.0.0.1:{model_port}")),
+                ("ANTHROPIC_API_KEY", "sk-ant-test".to_owned()),
+                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
+            ],
+            needs: Vec::new(),
+        },
+        Agent {
+            name: "python-venv-agent",
+            command: dir.join("python-venv/bin/python"),
+            args: vec![dir.join("python-agent/agent.py").display().to_string()],
+            env: vec![
+                ("PATH", "/usr/bin:/bin".to_owned()),
                 ("PYTHONDONTWRITEBYTECODE", "1".to_owned()),
                 ("OPENAI_BASE_URL", base_url),
                 ("OPENAI_API_KEY", "sk-test".to_owned()),
             ],
-            needs: vec![dir.join("python-site")],
+            needs: Vec::new(),
         },
     ]
 }
@@ -357,7 +433,13 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
     let dir = installed_agents();
     let (port, served) = fake_model();
     let mut report = Vec::new();
-    for agent in agents(&dir, port) {
+    // `OAB_REAL_AGENTS=name,name` runs only those agents.
+    let only = std::env::var("OAB_REAL_AGENTS").ok();
+    let chosen = |name: &str| {
+        only.as_deref()
+            .is_none_or(|only| only.split(',').any(|n| n == name))
+    };
+    for agent in agents(&dir, port).into_iter().filter(|agent| chosen(agent.name)) {
         // The same agent started directly: the baseline.
         let home = tempfile::tempdir().expect("home");
         let mut direct = Command::new(&agent.command);
@@ -378,7 +460,16 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
             agent.name
         );
 
-        for sandbox in ["none", "bubblewrap", "landlock"] {
+        for mode in ["none", "bubblewrap", "landlock", "allowlist"] {
+            let (sandbox, network) = match mode {
+                "allowlist" => (
+                    "bubblewrap",
+                    format!("network = \"allowlist\"\negress = [\"127.0.0.1:{port}\"]\n"),
+                ),
+                // The sandboxed default has a network of its own: the fake model on the host's
+                // loopback is reached with the host's network (or an `egress` entry, above).
+                sandbox => (sandbox, "network = \"host\"\n".to_owned()),
+            };
             let work = tempfile::tempdir().expect("temp dir");
             std::fs::set_permissions(work.path(), std::os::unix::fs::PermissionsExt::from_mode(0o711))
                 .expect("chmod");
@@ -389,8 +480,7 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
                 &config,
                 format!(
                     "{}[session_runtime]\ninstallation = \"real-agents\"\n\
-                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n\
-                     network = \"host\"\n",
+                     [session_runtime.local]\nstorage = \"per-session\"\nsandbox = \"{sandbox}\"\nroot = {:?}\n{network}",
                     agent_table(&agent),
                     work.path().join("sessions").display().to_string(),
                 ),
@@ -405,19 +495,19 @@ fn node_and_python_agents_complete_a_prompt_turn_through_run_in_every_mode() {
             // `run` replaces this cwd with the session's working directory.
             let (through_run, text) = peer.prompt_turn("/nonexistent");
             let code = peer.finish(Duration::from_secs(30));
-            assert!(text.contains(ANSWER), "{} in {sandbox}: {text:?}", agent.name);
+            assert!(text.contains(ANSWER), "{} in {mode}: {text:?}", agent.name);
             assert!(
                 served.load(Ordering::SeqCst) > before,
-                "{} in {sandbox}: no model call",
+                "{} in {mode}: no model call",
                 agent.name
             );
             assert!(
                 code.is_some(),
-                "{} in {sandbox}: run did not end after stdin EOF",
+                "{} in {mode}: run did not end after stdin EOF",
                 agent.name
             );
             report.push(format!(
-                "{:<17} {sandbox:<10} run {:>7.1} ms   direct {:>7.1} ms",
+                "{:<17} {mode:<10} run {:>7.1} ms   direct {:>7.1} ms",
                 agent.name,
                 through_run.as_secs_f64() * 1000.0,
                 baseline.as_secs_f64() * 1000.0

@@ -11,10 +11,12 @@
 //! | `auto` | bubblewrap if it works here, else Landlock, else refuses to create isolated sessions and says how to install bubblewrap | |
 //!
 //! What the agent's program needs of the host ([`AgentCommand::needs`](session_runtime::AgentCommand),
-//! the directory of its file, the interpreter of its `#!` line) is shown to it read-only at the
-//! same paths in the sandboxed modes; a path that would show the session root, or that the
-//! session's own user could not reach, fails `create` and `attach` with an
-//! [`Error::InvalidConfig`](session_runtime::Error) naming `agent.needs` or `agent.command`.
+//! the directory of its file, the interpreter of its `#!` line, the Python virtual environment or
+//! the `node_modules` it is installed in, and the files its arguments name) is shown to it
+//! read-only at the same paths in the sandboxed modes, and it is started by its configured path
+//! in every mode; a path that would show the session root, or that the session's own user could
+//! not reach, fails `create` and `attach` with an [`Error::InvalidConfig`](session_runtime::Error)
+//! naming `agent.needs`, `agent.command` or `agent.args`.
 //!
 //! In every mode a worker inherits no descriptor of the broker's but its standard streams: the
 //! runtime marks the broker's other descriptors close-on-exec before each start (those the broker

@@ -1,19 +1,25 @@
-//! The durable session record: `root/<session id>/record.json`.
+//! The durable session record: `root/<session id>/record.json`, and the current boot's
+//! transitional state beside it, `record.boot.json`.
 //!
-//! It is the authority on a session's state and generation. It is replaced atomically (write a
-//! temporary file, rename it over the record), so a crash leaves either the old or the new record,
-//! never a torn one.
+//! Together they are the authority on a session's state and generation. Each is replaced
+//! atomically (write a temporary file, rename it over the file), so a crash leaves either the
+//! old or the new one, never a torn one.
 //!
-//! Records of states at rest (`created`, `suspended`, `closed`) are also made durable against a
-//! host crash: the file and its directory are fsynced before the call returns. Transitional
-//! records (`provisioning`, the launch intent and pid of a `running` worker, `closing`) are only
-//! replaced atomically, which survives a killed broker (the page cache is the kernel's) but not a
-//! host crash. That is enough because a host crash ends every worker, and no durable side effect
-//! follows a transitional record before the next record at rest: retained storage is moved only
-//! after `closed` is durable, storage to delete leaves the root with its record (that move,
-//! fsynced, is the close: a session without a directory is closed), and a lost `provisioning`
-//! record leaves a directory that `create` adopts again. It keeps create → attach → close with
-//! deletion at one file fsync (the record at create) and two of directories.
+//! Records of states at rest (`created`, `suspended`, `closed`) go to `record.json`, made durable
+//! against a host crash: the file and its directory are fsynced before the call returns, and the
+//! transitional file is then removed. Transitional records (`provisioning`, the launch intent and
+//! pid of a `running` worker, `closing`) go to `record.boot.json` only, tagged with the kernel's
+//! boot id and not fsynced, which survives a killed broker (the page cache is the kernel's) but
+//! not a host crash. A transitional record overrides the one at rest while it exists and was
+//! written in the current boot; one from an earlier boot, or an empty one (what a file system that
+//! does not flush a renamed file leaves after a host crash), is ignored, so a host crash leaves
+//! the last record at rest in force, never an empty `record.json`. That is enough because a host
+//! crash ends every worker, and no durable side effect follows a transitional record before the
+//! next record at rest: retained storage is moved only after `closed` is durable, storage to
+//! delete leaves the root with its record (that move, fsynced, is the close: a session without a
+//! directory is closed), and a lost `provisioning` record leaves a directory that `create` adopts
+//! again. It keeps create → attach → close with deletion at one file fsync (the record at create)
+//! and two of directories.
 //!
 //! A record read from disk is untrusted: it must parse, have a known version, and name the
 //! session whose directory it sits in; it never supplies a path.
@@ -211,11 +217,63 @@ fn is_real_dir(dir: &Path) -> io::Result<bool> {
     fs::symlink_metadata(dir).map(|meta| meta.is_dir())
 }
 
-/// Reads the record at `path`, which must belong to session `id`. `Ok(None)` if there is none.
+/// The file name of the current boot's transitional record, beside `record.json`.
+pub(crate) const TRANSIENT_NAME: &str = "record.boot.json";
+/// The temporary file name of a transitional record being written.
+pub(crate) const TRANSIENT_TEMPORARY_NAME: &str = ".record.boot.json.tmp";
+
+/// A transitional record: the boot it was written in, and the record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Transient {
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`) when it was written.
+    boot: String,
+    record: SessionRecord,
+}
+
+/// This boot's id, read once; empty where the kernel does not say (then a transitional record is
+/// honoured whatever boot wrote it, as a single file was).
+fn boot_id() -> &'static str {
+    static BOOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BOOT.get_or_init(|| {
+        fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|id| id.trim().to_owned())
+            .unwrap_or_default()
+    })
+}
+
+/// The transitional record beside the durable one at `path`.
+fn transient_path(path: &Path) -> std::path::PathBuf {
+    path.with_file_name(TRANSIENT_NAME)
+}
+
+/// Reads the session record of `id` whose durable file is `path`: the current boot's
+/// transitional record if there is one, else the durable record. `Ok(None)` if there is neither.
 ///
-/// Neither the record nor the session directory holding it may be a symbolic link: either is an
-/// error, never followed.
+/// Neither file nor the session directory holding them may be a symbolic link: each is an
+/// error, never followed. A transitional record from another boot, or an empty one, is ignored.
 pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>, Error> {
+    let durable = load_file(path, id, |bytes| {
+        serde_json::from_slice::<SessionRecord>(bytes).map(Some)
+    })?;
+    let transient = transient_path(path);
+    let current = load_file(&transient, id, |bytes| {
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        let transient: Transient = serde_json::from_slice(bytes)?;
+        Ok((transient.boot == boot_id()).then_some(transient.record))
+    })?;
+    Ok(current.or(durable))
+}
+
+/// Reads the record file at `path` with `parse` (which may find nothing in it), checking what it
+/// finds belongs to session `id`. `Ok(None)` if the file does not exist.
+fn load_file(
+    path: &Path,
+    id: &SessionId,
+    parse: impl FnOnce(&[u8]) -> serde_json::Result<Option<SessionRecord>>,
+) -> Result<Option<SessionRecord>, Error> {
     if let Some(dir) = path.parent() {
         match is_real_dir(dir) {
             Ok(true) => {}
@@ -248,7 +306,9 @@ pub(crate) fn load(path: &Path, id: &SessionId) -> Result<Option<SessionRecord>,
     if bytes.len() as u64 > MAX_RECORD_BYTES {
         return Err(corrupt(path, "not a regular file of a plausible size"));
     }
-    let record: SessionRecord = serde_json::from_slice(&bytes).map_err(|e| corrupt(path, e))?;
+    let Some(record) = parse(&bytes).map_err(|e| corrupt(path, e))? else {
+        return Ok(None);
+    };
     if record.version != VERSION {
         return Err(corrupt(path, format!("unknown version {}", record.version)));
     }
@@ -276,7 +336,9 @@ pub(crate) fn create_fresh(path: &Path) -> io::Result<File> {
     }
 }
 
-/// Atomically replaces the record at `path`.
+/// Atomically replaces the record of the session whose durable file is `path`: a record at rest
+/// replaces `path`, durably, and then the transitional file is removed; a transitional record
+/// replaces the transitional file, tagged with this boot (see the module documentation).
 pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
     let fail = |e: io::Error| crate::backend_error(true, "writing a session record", e);
     let dir = path
@@ -285,18 +347,107 @@ pub(crate) fn store(path: &Path, record: &SessionRecord) -> Result<(), Error> {
     if !is_real_dir(dir).map_err(fail)? {
         return Err(corrupt(path, "its session directory is not a plain directory"));
     }
-    let temporary = dir.join(".record.json.tmp");
-    let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(io::Error::other(e)))?;
+    let at_rest = record.at_rest();
+    let (target, temporary, bytes) = if at_rest {
+        let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(io::Error::other(e)))?;
+        (path.to_path_buf(), dir.join(".record.json.tmp"), bytes)
+    } else {
+        let transient = Transient {
+            boot: boot_id().to_owned(),
+            record: record.clone(),
+        };
+        let bytes = serde_json::to_vec_pretty(&transient).map_err(|e| fail(io::Error::other(e)))?;
+        (transient_path(path), dir.join(TRANSIENT_TEMPORARY_NAME), bytes)
+    };
     {
         let mut file = create_fresh(&temporary).map_err(fail)?;
         file.write_all(&bytes).map_err(fail)?;
-        if record.at_rest() {
+        if at_rest {
             file.sync_all().map_err(fail)?;
         }
     }
-    fs::rename(&temporary, path).map_err(fail)?;
-    if record.at_rest() {
+    fs::rename(&temporary, &target).map_err(fail)?;
+    if at_rest {
         File::open(dir).and_then(|d| d.sync_all()).map_err(fail)?;
+        // The record at rest is durable: the transitional one it follows is over. (Not fsynced:
+        // after a host crash, one left behind is from another boot, and ignored.)
+        match fs::remove_file(transient_path(path)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(fail(e)),
+            _ => {}
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(phase: Phase) -> SessionRecord {
+        let identity = SessionIdentity::new("records", "agent", "discord", "t1").expect("identity");
+        let dir = tempfile::tempdir().expect("dir");
+        let evidence = DirEvidence::of(dir.path()).expect("evidence");
+        let mut record = SessionRecord::new(&identity, 1, 0, evidence);
+        record.phase = phase;
+        record
+    }
+
+    #[test]
+    fn a_transitional_record_of_this_boot_overrides_the_record_at_rest_until_the_next_one() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("record.json");
+        let created = record(Phase::Session(SessionState::Created));
+        let id = created.id;
+        store(&path, &created).expect("store created");
+        let mut running = created.clone();
+        running.phase = Phase::Session(SessionState::Running);
+        running.generation = 1;
+        store(&path, &running).expect("store running");
+        assert_eq!(load(&path, &id).expect("load"), Some(running.clone()));
+        let durable: SessionRecord =
+            serde_json::from_slice(&fs::read(&path).expect("durable")).expect("json");
+        assert_eq!(
+            durable, created,
+            "a transitional record leaves record.json as it was"
+        );
+
+        // What a host crash leaves: an empty transitional file, or one from another boot.
+        fs::write(transient_path(&path), "").expect("empty");
+        assert_eq!(load(&path, &id).expect("load"), Some(created.clone()));
+        let earlier = Transient {
+            boot: "an-earlier-boot".into(),
+            record: running.clone(),
+        };
+        fs::write(transient_path(&path), serde_json::to_vec(&earlier).expect("json")).expect("write");
+        assert_eq!(load(&path, &id).expect("load"), Some(created.clone()));
+
+        store(&path, &running).expect("store running");
+        let mut suspended = running.clone();
+        suspended.phase = Phase::Session(SessionState::Suspended);
+        store(&path, &suspended).expect("store suspended");
+        assert!(
+            !transient_path(&path).exists(),
+            "a record at rest ends the transitional one"
+        );
+        assert_eq!(load(&path, &id).expect("load"), Some(suspended));
+    }
+
+    #[test]
+    fn a_transitional_record_that_does_not_parse_or_names_another_session_is_an_error() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("record.json");
+        let created = record(Phase::Session(SessionState::Created));
+        store(&path, &created).expect("store");
+        fs::write(transient_path(&path), "{ not json").expect("garbage");
+        assert!(load(&path, &created.id).is_err());
+        let other = SessionIdentity::new("records", "agent", "discord", "t2").expect("identity");
+        let mut foreign = created.clone();
+        foreign.id = other.id();
+        let foreign = Transient {
+            boot: boot_id().to_owned(),
+            record: foreign,
+        };
+        fs::write(transient_path(&path), serde_json::to_vec(&foreign).expect("json")).expect("write");
+        assert!(load(&path, &created.id).is_err());
+    }
 }

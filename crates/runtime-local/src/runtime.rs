@@ -421,6 +421,7 @@ impl LocalRuntime {
                     self.settings.agent_stderr,
                     limits.clone(),
                     entry == Some(CgroupEntry::Birth),
+                    (self.sandbox.kind() != SandboxKind::None).then(|| self.sandbox.kind().as_str()),
                 )
             }
             Err(error) => Err(error),
@@ -593,7 +594,7 @@ impl LocalRuntime {
             // are still checked, and the program's own files need no looking up.
             return needs::listed(&agent.needs);
         }
-        needs::resolve(&agent.program, &agent.needs, &self.agent_path_var())
+        needs::resolve(&agent.program, &agent.args, &agent.needs, &self.agent_path_var())
     }
 
     /// The `PATH` the agent gets (see [`environment`](Self::environment)).
@@ -836,6 +837,8 @@ fn adoptable(dirs: &SessionDirs) -> Result<()> {
         "lock",
         "record.json",
         ".record.json.tmp",
+        record::TRANSIENT_NAME,
+        record::TRANSIENT_TEMPORARY_NAME,
         "workspace",
         "home",
         "state",

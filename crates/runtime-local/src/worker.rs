@@ -54,6 +54,10 @@ pub(crate) struct Spawned {
 /// [`WorkerExit::OutOfMemory`], not by a plain signal. With `born_in_cgroups` it is spawned
 /// inside them ([`LimitsHandle::spawn_inside`]).
 ///
+/// `sandbox` names the sandbox it runs in (`None` for plain mode): an agent that fails there soon
+/// after it started ([`EARLY_EXIT`]) is logged at WARN with a hint that `agent.needs` may be
+/// missing what it tried to load (which paths it tried is not known to the runtime).
+///
 /// # Errors
 ///
 /// [`Error::WorkerFailed`] if it could not be spawned; the error of
@@ -65,6 +69,7 @@ pub(crate) fn spawn(
     stderr: AgentStderr,
     cgroups: Option<LimitsHandle>,
     born_in_cgroups: bool,
+    sandbox: Option<&'static str>,
 ) -> Result<Spawned> {
     let failed = |why: String| Error::WorkerFailed {
         id,
@@ -104,10 +109,12 @@ pub(crate) fn spawn(
     }
     let exit = ExitCell::new();
     let members = cgroups.clone();
+    let started = std::time::Instant::now();
     {
         let exit = exit.clone();
         tokio::spawn(async move {
             let status = child.wait().await;
+            let after = started.elapsed();
             let ended = match status {
                 Ok(status) => match (status.code(), status.signal()) {
                     (Some(code), _) => WorkerExit::Code(code),
@@ -116,6 +123,9 @@ pub(crate) fn spawn(
                 },
                 Err(_) => WorkerExit::Unknown,
             };
+            if let Some(sandbox) = sandbox {
+                warn_if_failed_at_start(&id, generation, sandbox, ended, after);
+            }
             exit.set(classify_oom(ended, cgroups.as_ref()));
         });
     }
@@ -131,6 +141,39 @@ pub(crate) fn spawn(
         stdout,
         stdin,
     })
+}
+
+/// How soon after it started a sandboxed agent's failure counts as a failure to start.
+const EARLY_EXIT: Duration = Duration::from_secs(10);
+
+/// Warns, with a hint about `agent.needs`, when a sandboxed agent exited with a failure code
+/// (1 to 127: not a signal, which a sandbox reports as `128 + n`) within [`EARLY_EXIT`] of its
+/// start: the usual cause is a file it loads from a host directory the sandbox does not show.
+fn warn_if_failed_at_start(
+    id: &SessionId,
+    generation: Generation,
+    sandbox: &str,
+    ended: WorkerExit,
+    after: Duration,
+) {
+    let WorkerExit::Code(code @ 1..=127) = ended else {
+        return;
+    };
+    if after > EARLY_EXIT {
+        return;
+    }
+    tracing::warn!(
+        session = %id,
+        generation,
+        "the agent exited with code {code} {:.1}s after it started in its {sandbox} sandbox; if its \
+         stderr says it could not find or open a file (ENOENT, EACCES, ERR_MODULE_NOT_FOUND, \
+         ModuleNotFoundError), `agent.needs` may be missing the host directory that holds it: a \
+         sandboxed agent is shown only the system directories, its session's storage, \
+         `agent.needs`, and its program's own files (its file and directory, its `#!` \
+         interpreter, the virtual environment or node_modules it is installed in, files named in \
+         `agent.args`); which paths it tried to open is not recorded",
+        after.as_secs_f64()
+    );
 }
 
 /// `exit`, or [`WorkerExit::OutOfMemory`] if it is a SIGKILL (directly, or as `128 + 9` from

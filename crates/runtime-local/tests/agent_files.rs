@@ -11,6 +11,12 @@
 //!   is an error at create (and at attach, once it became private), not an agent that fails.
 //! - [`what_the_agent_needs_never_shows_the_session_root`]: a need containing the root, or inside
 //!   it, is refused, naming the key.
+//! - [`an_npm_installed_agent_needs_no_entry_in_every_mode`] (issue 24, item 1): a program linked
+//!   from an npm prefix's `bin/` into its package, which loads a dependency nested in the package's
+//!   `node_modules` and one hoisted beside it, without `needs`.
+//! - [`a_virtual_environment_on_an_interpreter_outside_usr_runs_as_configured_in_every_mode`]
+//!   (issue 24, item 2): `<venv>/bin/python` linking to an interpreter outside `/usr`, given a
+//!   script in `args`, imports a module of the virtual environment, without `needs`.
 //!
 //! Installations live under Cargo's target temporary directory, outside `/tmp` (which a
 //! bubblewrap sandbox replaces with the session's own) and outside every session root. A mode
@@ -355,5 +361,112 @@ async fn a_need_under_a_directory_the_sandbox_replaces_is_refused_in_every_sandb
             .close(&thread.id(), CloseReason::Ended)
             .await
             .expect("close");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_npm_installed_agent_needs_no_entry_in_every_mode() {
+    // `npm install --global --prefix <prefix>` as npm lays it out: `bin/agent` links into the
+    // package, whose dependencies are nested in its `node_modules` or hoisted beside it.
+    let prefix = install_dir("npm-prefix-");
+    let modules = prefix.path().join("lib/node_modules");
+    let package = modules.join("pkg");
+    for dir in [
+        prefix.path().join("bin"),
+        prefix.path().join("lib"),
+        modules.clone(),
+        package.clone(),
+        package.join("bin"),
+        package.join("node_modules"),
+        package.join("node_modules/nested"),
+        modules.join("hoisted"),
+    ] {
+        fs::create_dir(&dir).expect("mkdir");
+        chmod(&dir, 0o755);
+    }
+    for dir in [
+        &package,
+        &package.join("node_modules/nested"),
+        &modules.join("hoisted"),
+    ] {
+        write(&dir.join("package.json"), "{}\n", 0o644);
+    }
+    write(
+        &package.join("bin/agent.sh"),
+        "#!/bin/sh\nexec 2>&1\nhere=$(dirname \"$(readlink -f \"$0\")\")\n\
+         . \"$here/../node_modules/nested/lib.sh\"\n. \"$here/../../hoisted/lib.sh\"\n\
+         echo \"nested=$NESTED hoisted=$HOISTED\"\n",
+        0o755,
+    );
+    write(
+        &package.join("node_modules/nested/lib.sh"),
+        "NESTED=found\n",
+        0o644,
+    );
+    write(&modules.join("hoisted/lib.sh"), "HOISTED=found\n", 0o644);
+    let command = prefix.path().join("bin/agent");
+    std::os::unix::fs::symlink("../lib/node_modules/pkg/bin/agent.sh", &command).expect("symlink");
+    for mode in MODES {
+        let agent = AgentCommand::new(command.display().to_string()).env("PATH", agent_path(None));
+        let Some(out) = output_of(agent, mode).await else {
+            continue;
+        };
+        assert_eq!(out, "nested=found hoisted=found\n", "{mode}");
+        // The same by name, on the agent's `PATH`.
+        let agent = AgentCommand::new("agent").env("PATH", agent_path(Some(&prefix.path().join("bin"))));
+        let out = output_of(agent, mode).await.expect("the mode worked above");
+        assert_eq!(out, "nested=found hoisted=found\n", "{mode}: by name");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_virtual_environment_on_an_interpreter_outside_usr_runs_as_configured_in_every_mode() {
+    // An interpreter outside /usr, as pyenv, uv or conda install one, and a virtual environment
+    // made with it: its `bin/python` links to that interpreter.
+    let system_python = fs::canonicalize("/usr/bin/python3").expect("/usr/bin/python3");
+    let interpreter_dir = install_dir("interpreter-");
+    let bin = interpreter_dir.path().join("bin");
+    fs::create_dir(&bin).expect("mkdir");
+    chmod(&bin, 0o755);
+    let interpreter = bin.join(system_python.file_name().expect("a file name"));
+    fs::copy(&system_python, &interpreter).expect("copy python");
+    chmod(&interpreter, 0o755);
+    let environments = install_dir("venv-");
+    let venv = environments.path().join("venv");
+    let made = std::process::Command::new(&interpreter)
+        .args(["-m", "venv", "--without-pip"])
+        .arg(&venv)
+        .output()
+        .expect("python -m venv");
+    assert!(made.status.success(), "python -m venv: {made:?}");
+    assert!(
+        fs::symlink_metadata(venv.join("bin/python"))
+            .expect("bin/python")
+            .file_type()
+            .is_symlink(),
+        "the environment's python links to its interpreter"
+    );
+    let site = std::process::Command::new(venv.join("bin/python"))
+        .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        .output()
+        .expect("site-packages");
+    let site = std::path::PathBuf::from(String::from_utf8_lossy(&site.stdout).trim());
+    write(&site.join("invenv.py"), "WORD = 'found'\n", 0o644);
+    let scripts = install_dir("venv-scripts-");
+    let script = scripts.path().join("agent.py");
+    write(
+        &script,
+        "import sys\nsys.stderr = sys.stdout\nimport invenv\nprint('venv=' + invenv.WORD)\n",
+        0o644,
+    );
+    for mode in MODES {
+        let agent = AgentCommand::new(venv.join("bin/python").display().to_string())
+            .args([script.display().to_string()])
+            .env("PATH", agent_path(None))
+            .env("PYTHONDONTWRITEBYTECODE", "1");
+        let Some(out) = output_of(agent, mode).await else {
+            continue;
+        };
+        assert_eq!(out, "venv=found\n", "{mode}");
     }
 }

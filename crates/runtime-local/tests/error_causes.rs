@@ -50,7 +50,8 @@ async fn a_record_that_cannot_be_written_reports_why() {
         .create(&identity, &CreateOptions::new())
         .await
         .expect("create");
-    let blocker = root.path().join(id.as_str()).join(".record.json.tmp");
+    // Attach first writes a transitional record (the launch intent), through this temporary name.
+    let blocker = root.path().join(id.as_str()).join(".record.boot.json.tmp");
     std::fs::create_dir_all(blocker.join("inside")).expect("mkdir");
     let error = runtime
         .attach(&id)

@@ -22,7 +22,9 @@ pub struct AgentCommand {
     /// Absolute host paths (files or directories) the program needs besides itself: its
     /// installation directory, an interpreter, a virtual environment. A sandboxing backend shows
     /// each read-only (and executable) at the same path, with links resolved; the directory of the
-    /// program's file and the interpreter of its `#!` line need not be listed. A backend that runs
+    /// program's file, the interpreter of its `#!` line, the package either is installed in (a
+    /// Python virtual environment, a Node package's `node_modules`) and files named by absolute
+    /// paths in `args` need not be listed (the local runtime shows them). A backend that runs
     /// the program elsewhere (a Pod, a microVM) ignores them.
     pub needs: Vec<PathBuf>,
     /// upstream's `[agent].working_dir`: where the agent runs with shared storage

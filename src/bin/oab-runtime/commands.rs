@@ -7,7 +7,7 @@ use openab_runtime::{
     AgentCommand, CloseReason, Error, SessionId, SessionRuntime, SessionStatus, StorageState, SuspendReason,
 };
 
-use crate::settings::Settings;
+use crate::settings::{ConfiguredAgent, Settings};
 use crate::{Cli, CloseArg, Command, SuspendArg};
 
 pub(crate) type Outcome = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -87,6 +87,7 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             };
             crate::controller::run(settings, args).await
         }
+        Command::RunGuard { id } => crate::run::guard(&settings, &id).await,
         Command::TestAgent { args } => Ok(test_agent(&args)),
     }
 }
@@ -97,7 +98,8 @@ pub(crate) fn runtime(
     settings: &Settings,
     agent: Option<AgentCommand>,
 ) -> Result<Arc<dyn SessionRuntime>, Error> {
-    let agent = match agent.or_else(|| settings.agent.clone()) {
+    let configured = settings.agent.as_ref().and_then(ConfiguredAgent::command);
+    let agent = match agent.or(configured) {
         Some(agent) => agent,
         None => bundled_test_agent()?,
     };

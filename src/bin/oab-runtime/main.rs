@@ -68,8 +68,8 @@ enum Command {
         /// this shell's means nothing inside a session), and says so once on stderr.
         #[arg(long)]
         keep_cwd: bool,
-        /// The agent command, overriding `[agent]`'s command and arguments (its `env` and
-        /// `inherit_env` and `needs` still apply).
+        /// The agent command, overriding `[agent]`'s command and arguments (its `env`,
+        /// `inherit_env` and `needs` still apply, also when `[agent]` has no `command`).
         #[arg(last = true, value_name = "AGENT ARGV")]
         argv: Vec<String>,
     },
@@ -114,6 +114,14 @@ enum Command {
         /// How long a term lasts without a renewal; a vanished leader is replaced after it.
         #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
         lease_duration: std::time::Duration,
+    },
+    /// Suspends session ID once its stdin ends without a `done` line: `run` starts it and holds
+    /// its stdin, so a `run` killed by SIGKILL (which cannot suspend its session itself) leaves
+    /// no agent running. Used by `run`.
+    #[command(name = "__run-guard", hide = true)]
+    RunGuard {
+        /// The session `run` attached.
+        id: String,
     },
     /// Runs the bundled ACP test agent on stdio (used by `verify`).
     #[command(name = "__acp-test-agent", hide = true)]

@@ -13,6 +13,15 @@
 //! Nothing the agent started outlives `run`: `run` is the subreaper of everything below it, and
 //! kills what is left there once the session is suspended.
 //!
+//! A `run` killed by SIGKILL cannot suspend its session itself. Its guard does: a second
+//! `oab-runtime` process (`__run-guard ID`, in a process group of its own so a terminal's
+//! signals do not reach it) that `run` starts before it creates the session and tells when it is
+//! done; if its stdin (held only by `run`) ends without that, `run` died, and the guard suspends
+//! the session, which stops the agent and everything it started, in every sandbox mode. `run`
+//! tells it the generation its attach starts (before the attach, and again after it), and the
+//! guard suspends only a session still at that generation: never the worker of a later `run` of
+//! the same thread.
+//!
 //! Every line of stdin reaches the agent byte for byte, not UTF-8 included (JSON-RPC over ACP is
 //! UTF-8, but `run` does not judge: the agent reports what it cannot parse); only blank lines,
 //! which carry no message, are left out. The one exception: the `cwd` of `session/new` and
@@ -69,20 +78,20 @@ enum Ending {
 }
 
 /// The agent `run` starts: `-- ARGV` replaces the configured command and arguments but keeps
-/// `[agent]`'s environment rules and `needs`, and each `--env` adds one (`KEY=VALUE` sets, `KEY`
-/// inherits).
+/// `[agent]`'s environment rules and `needs` (also when `[agent]` names no command), and each
+/// `--env` adds one (`KEY=VALUE` sets, `KEY` inherits). Without `-- ARGV`, `[agent]` must name a
+/// command; without `[agent]` the bundled test agent runs.
 fn agent_command(settings: &Settings, argv: Vec<String>, env: &[String]) -> Result<AgentCommand, Error> {
     let mut agent = match (argv.split_first(), &settings.agent) {
-        (Some((program, args)), configured) => {
-            let mut agent = AgentCommand::new(program).args(args.iter().cloned());
-            if let Some(configured) = configured {
-                agent.env = configured.env.clone();
-                agent.inherit_env = configured.inherit_env.clone();
-                agent.needs = configured.needs.clone();
-            }
-            agent
-        }
-        (None, Some(configured)) => configured.clone(),
+        (Some((program, args)), Some(configured)) => configured.with_argv(program, args),
+        (Some((program, args)), None) => AgentCommand::new(program).args(args.iter().cloned()),
+        (None, Some(configured)) => configured.command().ok_or_else(|| Error::InvalidConfig {
+            key: "agent.command".into(),
+            reason: "[agent] names no command, and `run` was given none after `--`: set \
+                     agent.command, or give the agent's command as `run ... -- PROGRAM ARGS...` \
+                     (it keeps [agent]'s env, inherit_env and needs)"
+                .into(),
+        })?,
         (None, None) => crate::commands::bundled_test_agent()?,
     };
     for entry in env {
@@ -131,6 +140,7 @@ pub(crate) async fn run(
         platform,
         thread,
     )?;
+    let mut guard = Guard::start(&settings, &identity.id());
     let handle = runtime.create(&identity, &CreateOptions::new()).await?;
     eprintln!(
         "session {} ({}, generation {}); attaching...",
@@ -138,6 +148,9 @@ pub(crate) async fn run(
         if handle.created { "created" } else { "existing" },
         handle.generation
     );
+    if let Some(guard) = guard.as_mut() {
+        guard.expect(handle.generation + 1);
+    }
     let attachment = match runtime.attach(&handle.id).await {
         Ok(attachment) => attachment,
         Err(
@@ -157,6 +170,9 @@ pub(crate) async fn run(
         attachment.generation(),
         attachment.working_dir()
     );
+    if let Some(guard) = guard.as_mut() {
+        guard.expect(attachment.generation());
+    }
     let rewrite = (!keep_cwd).then(|| CwdRewrite::new(attachment.working_dir()));
     let (mut output, input, control) = attachment.into_split();
     let mut to_agent = tokio::spawn(forward_stdin(stdin_lines(), input, rewrite));
@@ -206,10 +222,118 @@ pub(crate) async fn run(
         describe(ending, ended_alone)
     );
     let suspended = runtime.suspend(&handle.id, SuspendReason::Shutdown).await;
+    drop(guard);
     kill_adopted_orphans();
     suspended?;
     eprintln!("session {} suspended", handle.id);
     Ok(ExitCode::from(exit_status(ending, ended_alone)))
+}
+
+/// What `run` tells its guard when it ends by itself.
+const GUARD_DONE: &str = "done";
+/// How long the guard waits for a `run` whose pipe closed to finish exiting.
+const GUARD_WAIT_FOR_EXIT: Duration = Duration::from_secs(5);
+/// How `run` tells its guard the generation to suspend: this, then the number.
+const GUARD_GENERATION: &str = "generation ";
+
+/// `run`'s guard (see the module documentation), told `done` when dropped: on every way out of
+/// `run` but SIGKILL.
+struct Guard {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Guard {
+    /// Starts the guard of session `id`; `None` (said on stderr) if it cannot start: `run` then
+    /// works as before, and a SIGKILL leaves its agent to `gc`.
+    fn start(settings: &Settings, id: &openab_runtime::SessionId) -> Option<Guard> {
+        use std::os::unix::process::CommandExt;
+        let started = std::env::current_exe().and_then(|exe| {
+            let mut command = std::process::Command::new(exe);
+            if let Some(path) = &settings.path {
+                command.arg("--config").arg(path);
+            }
+            command
+                .arg("__run-guard")
+                .arg(id.to_string())
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::null())
+                .process_group(0)
+                .spawn()
+        });
+        match started {
+            Ok(mut child) => Some(Guard {
+                stdin: child.stdin.take(),
+                child,
+            }),
+            Err(error) => {
+                eprintln!(
+                    "oab-runtime: cannot start the guard that suspends the session if run is killed: {error}; \
+                     after a SIGKILL, `oab-runtime gc` stops the agent"
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Guard {
+    /// Tells the guard the generation of the worker it is to stop.
+    fn expect(&mut self, generation: openab_runtime::Generation) {
+        use std::io::Write;
+        if let Some(stdin) = self.stdin.as_mut() {
+            let _ = writeln!(stdin, "{GUARD_GENERATION}{generation}");
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        use std::io::Write;
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = writeln!(stdin, "{GUARD_DONE}");
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// `__run-guard ID`: waits for its stdin to end; unless `run` said `done` first, suspends the
+/// session if it is still at the generation `run` named last (see the module documentation).
+pub(crate) async fn guard(settings: &Settings, id: &str) -> crate::commands::Outcome {
+    let id = openab_runtime::SessionId::parse(id.trim())?;
+    let run = rustix::process::getppid();
+    let mut said = Vec::new();
+    let mut stdin = tokio::io::stdin();
+    // Ends at EOF: `run` closed it (after `done`) or died.
+    let _ = stdin.read_to_end(&mut said).await;
+    let said = String::from_utf8_lossy(&said);
+    if said.lines().any(|line| line == GUARD_DONE) {
+        return Ok(ExitCode::SUCCESS);
+    }
+    // A dying process closes its descriptors one by one (this pipe may close before the
+    // session's lock) and is reparented only once all are closed: wait for that.
+    let deadline = std::time::Instant::now() + GUARD_WAIT_FOR_EXIT;
+    while run.is_some() && rustix::process::getppid() == run && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let Some(generation) = said.lines().rev().find_map(|line| {
+        line.strip_prefix(GUARD_GENERATION)?
+            .parse::<openab_runtime::Generation>()
+            .ok()
+    }) else {
+        // `run` died before it attached: it started no worker.
+        return Ok(ExitCode::SUCCESS);
+    };
+    let runtime = runtime(settings, None)?;
+    let status = runtime.status(&id).await?;
+    if status.generation != generation || status.state != openab_runtime::SessionState::Running {
+        // Not (or no longer) the worker `run` started.
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("oab-runtime: run of session {id} ended without suspending it (killed?); suspending it");
+    runtime.suspend(&id, SuspendReason::Shutdown).await?;
+    eprintln!("session {id} suspended");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The signals that end `run`: each suspends the session, then `run` exits.

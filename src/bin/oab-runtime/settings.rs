@@ -30,8 +30,42 @@ struct Document {
 /// A loaded configuration file.
 #[derive(Debug)]
 pub(crate) struct Settings {
+    /// The configuration file read, if any.
+    pub(crate) path: Option<PathBuf>,
     pub(crate) runtime: SessionRuntimeConfig,
-    pub(crate) agent: Option<AgentCommand>,
+    /// `[agent]`, when the file has one (with or without a `command`).
+    pub(crate) agent: Option<ConfiguredAgent>,
+}
+
+/// `[agent]` as configured: its command, if it names one, and the rules that apply to whatever
+/// command runs (`env`, `inherit_env`, `needs`), which `run -- ARGV` keeps even when the section
+/// names no command.
+#[derive(Debug, Clone)]
+pub(crate) struct ConfiguredAgent {
+    /// `agent.command`, if set.
+    command: Option<String>,
+    /// `[agent]` with `-- ARGV`'s program (or none) as its command: its `args`, `env`,
+    /// `inherit_env` and `needs`.
+    rules: AgentCommand,
+}
+
+impl ConfiguredAgent {
+    /// The configured command with its arguments and rules; `None` when `agent.command` is unset.
+    pub(crate) fn command(&self) -> Option<AgentCommand> {
+        let program = self.command.as_ref()?;
+        let mut agent = self.rules.clone();
+        agent.program.clone_from(program);
+        Some(agent)
+    }
+
+    /// `argv` (a program and its arguments) with the section's `env`, `inherit_env` and `needs`.
+    pub(crate) fn with_argv(&self, program: &str, args: &[String]) -> AgentCommand {
+        let mut agent = AgentCommand::new(program).args(args.iter().cloned());
+        agent.env = self.rules.env.clone();
+        agent.inherit_env = self.rules.inherit_env.clone();
+        agent.needs = self.rules.needs.clone();
+        agent
+    }
 }
 
 impl Settings {
@@ -43,7 +77,11 @@ impl Settings {
             let mut runtime = SessionRuntimeConfig::default();
             runtime.local.storage = StorageMode::PerSession;
             runtime.local.sandbox = SandboxMode::Auto;
-            return Ok(Self { runtime, agent: None });
+            return Ok(Self {
+                path: None,
+                runtime,
+                agent: None,
+            });
         };
         let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
             key: path.display().to_string(),
@@ -65,14 +103,21 @@ impl Settings {
             })
             .transpose()?
             .unwrap_or_default();
-        let agent = document.agent.and_then(|section| {
-            let program = section.command?;
-            let mut agent = AgentCommand::new(program).args(section.args);
-            agent.env = section.env;
-            agent.inherit_env = section.inherit_env;
-            agent.needs = section.needs;
-            Some(agent)
+        // A section without `command` is kept: its rules still apply to `run -- ARGV`.
+        let agent = document.agent.map(|section| {
+            let mut rules = AgentCommand::new("").args(section.args);
+            rules.env = section.env;
+            rules.inherit_env = section.inherit_env;
+            rules.needs = section.needs;
+            ConfiguredAgent {
+                command: section.command,
+                rules,
+            }
         });
-        Ok(Self { runtime, agent })
+        Ok(Self {
+            path: Some(path.to_path_buf()),
+            runtime,
+            agent,
+        })
     }
 }

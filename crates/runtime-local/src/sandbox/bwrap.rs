@@ -183,9 +183,9 @@ fn shown_as_system(layout: &HostLayout, path: &Path) -> bool {
     layout.system.iter().any(|entry| path.starts_with(entry.path()))
 }
 
-/// Refuses what the agent needs (besides its program and the program's directory, which are
-/// moved under [`HOST_PROGRAMS`]) that lies under a directory the sandbox replaces with its own:
-/// it could not be shown where the agent looks for it.
+/// Refuses what the agent needs (besides its program, the program's directory and its package,
+/// which are moved under [`HOST_PROGRAMS`]) that lies under a directory the sandbox replaces with
+/// its own: it could not be shown where the agent looks for it.
 ///
 /// # Errors
 ///
@@ -212,7 +212,7 @@ pub(super) const HOST_PRIVATE: [&str; 3] = ["/tmp", "/proc", "/dev"];
 /// [`Error::InvalidConfig`] naming the path's key, the path and the directory.
 pub(super) fn check_not_under(needed: &[Needed], directories: &[&str], why: &str) -> Result<(), Error> {
     for need in needed {
-        if matches!(need.why, Why::Command | Why::CommandDir) {
+        if matches!(need.why, Why::Command | Why::CommandDir | Why::PackageRoot) {
             continue;
         }
         for path in [&need.named, &need.real] {
@@ -290,18 +290,15 @@ fn need_parents(args: &mut Args, layout: &HostLayout, at: &Path, created: &mut V
     }
 }
 
-/// How the agent program gets into the sandbox when it lives outside everything the sandbox
-/// shows: its real file (links resolved, so `/usr/local/bin/agent -> /opt/agent/bin/agent` binds
-/// the real file), bound read-only at the same path, or under [`HOST_PROGRAMS`] when that path is
-/// one the sandbox replaces (e.g. an agent built under the host's `/tmp`). Returns the host file
+/// How the agent program gets into the sandbox: its real file (links resolved, so
+/// `/usr/local/bin/agent -> /opt/agent/bin/agent` binds the real file), bound read-only at the
+/// same path, or under [`HOST_PROGRAMS`] when that path is one the sandbox replaces (e.g. an agent
+/// built under the host's `/tmp`). Returns the host file
 /// and the path to execute. A name without `/` (looked up on `PATH`), a missing file, and a path
 /// under a read-only input's sandbox path, `/workspace`, `/home/agent` or `/state` (a file inside
-/// the sandbox) need no mount.
-fn program_mount(
-    layout: &HostLayout,
-    readonly: &[ReadonlyMount],
-    program: &str,
-) -> Option<(PathBuf, PathBuf)> {
+/// the sandbox) need no mount; the caller binds nothing for a real file in the system
+/// directories.
+fn program_mount(readonly: &[ReadonlyMount], program: &str) -> Option<(PathBuf, PathBuf)> {
     let path = Path::new(program);
     let inside = [SANDBOX_WORKSPACE, SANDBOX_HOME, SANDBOX_STATE]
         .iter()
@@ -312,15 +309,43 @@ fn program_mount(
     }
     // Missing: executing it fails with a clear "no such file" from bubblewrap.
     let real = std::fs::canonicalize(path).ok()?;
-    if layout
-        .system
-        .iter()
-        .any(|entry| matches!(entry, SystemEntry::Dir(dir) if real.starts_with(dir)))
-    {
-        return None;
-    }
     let shown = shown_at(&real);
     Some((real, shown))
+}
+
+/// The path a bubblewrap sandbox executes the program by, configured as the absolute path `named`
+/// (links not resolved) with its real file `real` shown at `shown`, and a link to create first
+/// (target, then where), if any. It is `named` itself wherever the sandbox can have it: a program
+/// may depend on the path it was started by, as a Python virtual environment's `bin/python` (a
+/// link to an interpreter elsewhere) does to find its `pyvenv.cfg`. So `named` is used as the
+/// sandbox shows it (a system directory, or a directory shown whole) or as a link created to the
+/// real file; only a program moved under [`HOST_PROGRAMS`], or named under a directory the
+/// sandbox replaces, is started by the path it is shown at.
+fn exec_path(
+    layout: &HostLayout,
+    mounts: &NeedMounts,
+    named: &Path,
+    real: &Path,
+    shown: &Path,
+) -> (PathBuf, Option<(PathBuf, PathBuf)>) {
+    let replaced = REPLACED
+        .iter()
+        .chain(&[HOST_PROGRAMS])
+        .any(|replaced| named.starts_with(replaced));
+    if named == real || shown != real || replaced {
+        return (shown.to_path_buf(), None);
+    }
+    let visible = shown_as_system(layout, named)
+        || mounts.binds.iter().any(|(_, at)| named.starts_with(at))
+        || mounts.links.iter().any(|(_, at)| at == named);
+    if visible {
+        (named.to_path_buf(), None)
+    } else {
+        (
+            named.to_path_buf(),
+            Some((shown.to_path_buf(), named.to_path_buf())),
+        )
+    }
 }
 
 /// The arguments of `bwrap` (not `bwrap` itself) that run `spec` in a sandbox. With `scoper`
@@ -407,19 +432,36 @@ pub(crate) fn bwrap_args(
         args.push("--symlink").push(target).push(at);
     }
     let mut program = OsString::from(spec.program);
-    if let Some((real, shown)) = program_mount(layout, readonly, spec.program) {
+    // A name looked up on `PATH` is started by the path it was found at on the host (the
+    // sandbox does not show that directory unless it is a system one).
+    let configured = match spec.needs.iter().find(|need| need.why == Why::Command) {
+        Some(found) if !spec.program.contains('/') => found.named.to_str().unwrap_or(spec.program),
+        _ => spec.program,
+    };
+    if let Some((real, shown)) = program_mount(readonly, configured) {
         let with_its_directory = mounts.binds.iter().find_map(|(host, at)| {
             let inside = real.strip_prefix(host).ok()?;
             Some(at.join(inside))
         });
-        program = match with_its_directory {
-            Some(shown) => shown.into_os_string(),
+        let in_system = layout
+            .system
+            .iter()
+            .any(|entry| matches!(entry, SystemEntry::Dir(dir) if real.starts_with(dir)));
+        let shown = match with_its_directory {
+            _ if in_system => real.clone(),
+            Some(shown) => shown,
             None => {
                 traversable_parents(&mut args, &shown);
                 args.push("--ro-bind").push(&real).push(&shown);
-                shown.into_os_string()
+                shown
             }
         };
+        let (path, link) = exec_path(layout, &mounts, Path::new(configured), &real, &shown);
+        if let Some((target, at)) = link {
+            need_parents(&mut args, layout, &at, &mut created);
+            args.push("--symlink").push(target).push(at);
+        }
+        program = path.into_os_string();
     }
     if let Some(egress) = spec.egress {
         traversable_parents(&mut args, Path::new(SANDBOX_EGRESS_SOCKETS));

@@ -30,7 +30,8 @@
 //! ([`SYSTEM_PATHS`](host::SYSTEM_PATHS), links reproduced as links), a fresh `/proc` and `/dev`,
 //! the session's workspace at `/workspace`, HOME at `/home/agent`, scratch directory at `/tmp`
 //! and agent state at `/state` (read-write), the configured read-only inputs, and what the agent
-//! needs ([`needs`]: `[agent] needs`, the directory of the program's file, its `#!` interpreter)
+//! needs ([`needs`]: `[agent] needs`, the directory of the program's file, its `#!` interpreter,
+//! its package, files named in its arguments)
 //! read-only at the same paths, when outside all of these (a program from a directory the sandbox
 //! replaces, such as the host's `/tmp`, is shown with its directory under `/run/host`). No other session's storage exists in its
 //! view, at any path. When the broker runs as root, bubblewrap sets up the sandbox as root and

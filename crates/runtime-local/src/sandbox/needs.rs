@@ -8,7 +8,14 @@
 //!   and the directory holding it ([`Why::CommandDir`]), so that what it loads from beside itself
 //!   is there;
 //! - the interpreter of its `#!` line ([`Why::Interpreter`]), and for `#!/usr/bin/env NAME`
-//!   also `NAME` as found on the agent's `PATH`.
+//!   also `NAME` as found on the agent's `PATH`;
+//! - the package the program or its interpreter belongs to ([`Why::PackageRoot`], see
+//!   [`package_roots`]): a Python virtual environment (the directory of its `pyvenv.cfg`), or a
+//!   Node package (the nearest directory above the program's file with a `package.json`, and,
+//!   when that lies in a `node_modules` directory, the whole of the nearest one, where npm puts
+//!   the package's dependencies, hoisted beside it or nested in it);
+//! - each file named by an argument ([`Why::Argument`]): an absolute path to an existing regular
+//!   file outside the directories a sandbox makes its own (a script given to an interpreter).
 //!
 //! The sandbox shows each at its own path, read-only; before that, [`check_apart_from`] refuses
 //! any that contains the session root or lies inside it (it would show every session's storage
@@ -28,6 +35,21 @@ use super::invalid;
 pub(crate) const NEEDS_KEY: &str = "agent.needs";
 /// The configuration key of the agent program.
 pub(crate) const COMMAND_KEY: &str = "agent.command";
+/// The configuration key of the agent program's arguments.
+pub(crate) const ARGS_KEY: &str = "agent.args";
+
+/// Paths a sandbox makes its own (the session's storage as a bubblewrap sandbox shows it, and
+/// what every sandbox replaces): an argument naming one means the sandbox's, not the host's.
+const SANDBOX_OWN: [&str; 8] = [
+    "/tmp",
+    "/proc",
+    "/dev",
+    "/run/host",
+    super::SANDBOX_HOME,
+    super::SANDBOX_WORKSPACE,
+    super::SANDBOX_TMP,
+    super::SANDBOX_STATE,
+];
 
 /// The most of a program's first line that is read for a `#!` line (Linux reads 256 bytes).
 const SHEBANG_BYTES: u64 = 256;
@@ -43,6 +65,11 @@ pub(crate) enum Why {
     CommandDir,
     /// The interpreter the program's `#!` line runs it with.
     Interpreter,
+    /// The package (a Python virtual environment, a Node package's `node_modules`) the program
+    /// or its interpreter belongs to.
+    PackageRoot,
+    /// The file named by argument `n` (counted from 1) of `agent.args`.
+    Argument(usize),
 }
 
 impl Why {
@@ -50,7 +77,8 @@ impl Why {
     pub(crate) fn key(self) -> &'static str {
         match self {
             Why::Listed(_) => NEEDS_KEY,
-            Why::Command | Why::CommandDir | Why::Interpreter => COMMAND_KEY,
+            Why::Command | Why::CommandDir | Why::Interpreter | Why::PackageRoot => COMMAND_KEY,
+            Why::Argument(_) => ARGS_KEY,
         }
     }
 
@@ -61,6 +89,12 @@ impl Why {
             Why::Command => "the agent program".to_owned(),
             Why::CommandDir => "the agent program's directory".to_owned(),
             Why::Interpreter => "the interpreter of the agent program's `#!` line".to_owned(),
+            Why::PackageRoot => {
+                "the package of the agent program or its interpreter (a virtual environment, or \
+                 the node_modules it is installed in)"
+                    .to_owned()
+            }
+            Why::Argument(n) => format!("the file named by argument {n} of agent.args"),
         }
     }
 
@@ -107,16 +141,23 @@ pub(crate) fn listed(paths: &[PathBuf]) -> Result<Vec<Needed>, Error> {
         .collect()
 }
 
-/// Everything `program` needs: the `listed` paths, its own file and directory, and its `#!`
-/// interpreter, with bare names looked up on `path_var` (the agent's `PATH`). A program that
-/// cannot be found, or one named relative to the working directory (inside the session), adds
-/// nothing: starting it reports that.
+/// Everything `program` needs: the `listed` paths, its own file and directory, its `#!`
+/// interpreter, the package either belongs to ([`package_roots`]), and the files its `args` name
+/// ([`argument_files`]), with bare names looked up on `path_var` (the agent's `PATH`). A program
+/// that cannot be found, or one named relative to the working directory (inside the session),
+/// adds nothing of its own: starting it reports that.
 ///
 /// # Errors
 ///
 /// As for [`listed`].
-pub(crate) fn resolve(program: &str, listed_paths: &[PathBuf], path_var: &str) -> Result<Vec<Needed>, Error> {
+pub(crate) fn resolve(
+    program: &str,
+    args: &[String],
+    listed_paths: &[PathBuf],
+    path_var: &str,
+) -> Result<Vec<Needed>, Error> {
     let mut needs = listed(listed_paths)?;
+    needs.extend(argument_files(args));
     let found = if program.contains('/') {
         Some(PathBuf::from(program)).filter(|path| path.is_absolute())
     } else {
@@ -134,12 +175,30 @@ pub(crate) fn resolve(program: &str, listed_paths: &[PathBuf], path_var: &str) -
             why: Why::CommandDir,
         });
     }
+    let mut packaged = vec![named.clone(), real.clone()];
     for interpreter in interpreters(&real, path_var) {
         if let Ok(real) = std::fs::canonicalize(&interpreter) {
+            packaged.push(interpreter.clone());
+            packaged.push(real.clone());
             needs.push(Needed {
                 named: interpreter,
                 real,
                 why: Why::Interpreter,
+            });
+        }
+    }
+    for root in packaged.iter().flat_map(|path| package_roots(path)) {
+        if needs
+            .iter()
+            .any(|need| need.why == Why::PackageRoot && need.real == root)
+        {
+            continue;
+        }
+        if let Ok(real) = std::fs::canonicalize(&root) {
+            needs.push(Needed {
+                named: root,
+                real,
+                why: Why::PackageRoot,
             });
         }
     }
@@ -149,6 +208,75 @@ pub(crate) fn resolve(program: &str, listed_paths: &[PathBuf], path_var: &str) -
         why: Why::Command,
     });
     Ok(needs)
+}
+
+/// The packages an executable at `path` (as named, links not resolved: a virtual environment's
+/// `bin/python` is a link to its base interpreter) belongs to:
+///
+/// - a Python virtual environment: the directory of `path`'s directory, or that directory
+///   itself, when it holds a `pyvenv.cfg` (as Python looks for it);
+/// - a Node package: the nearest directory above `path` holding a `package.json`, or, when that
+///   lies inside a directory called `node_modules`, the nearest such directory instead, which
+///   holds the package and whatever npm installed for it (nested in it, or hoisted beside it).
+///
+/// A directory the system directories hold, or `/`, is no package root here.
+pub(crate) fn package_roots(path: &Path) -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    let Some(dir) = path.parent() else {
+        return roots;
+    };
+    let ignored = |root: &Path| {
+        root.parent().is_none()
+            || super::host::SYSTEM_PATHS
+                .iter()
+                .any(|system| Path::new(system).starts_with(root) || root.starts_with(system))
+    };
+    if let Some(venv) = [dir.parent(), Some(dir)]
+        .into_iter()
+        .flatten()
+        .find(|candidate| candidate.join("pyvenv.cfg").is_file())
+    {
+        if !ignored(venv) {
+            roots.push(venv.to_path_buf());
+        }
+    }
+    if let Some(package) = dir
+        .ancestors()
+        .find(|candidate| candidate.join("package.json").is_file())
+    {
+        let modules = package
+            .ancestors()
+            .skip(1)
+            .find(|candidate| candidate.file_name().is_some_and(|name| name == "node_modules"));
+        let root = modules.unwrap_or(package);
+        if !ignored(root) {
+            roots.push(root.to_path_buf());
+        }
+    }
+    roots
+}
+
+/// The files `args` name: each argument that is an absolute path to an existing regular file
+/// (links followed) outside the paths a sandbox makes its own (`/tmp`, `/proc`, `/dev`, the
+/// session's paths under bubblewrap), where an argument means the sandbox's file. Only the file is
+/// shown, not its directory.
+pub(crate) fn argument_files(args: &[String]) -> Vec<Needed> {
+    args.iter()
+        .enumerate()
+        .filter_map(|(index, arg)| {
+            let path = Path::new(arg);
+            let own = SANDBOX_OWN.iter().any(|own| path.starts_with(own));
+            if !path.is_absolute() || own || !path.is_file() {
+                return None;
+            }
+            let real = std::fs::canonicalize(path).ok()?;
+            Some(Needed {
+                named: path.to_path_buf(),
+                real,
+                why: Why::Argument(index + 1),
+            })
+        })
+        .collect()
 }
 
 /// The first executable file called `name` in the absolute directories of `path_var`.
@@ -388,6 +516,49 @@ mod tests {
         assert_eq!(env_program("node"), Some("node"));
         assert_eq!(env_program("-S VAR=1 python3 -u"), Some("python3"));
         assert_eq!(env_program("-S"), None);
+    }
+
+    #[test]
+    fn arguments_name_files_only_as_absolute_paths_to_host_files_outside_the_sandbox_paths() {
+        // Not under /tmp, whose paths an argument means as the sandbox's own.
+        let dir = tempfile::Builder::new().tempdir_in("/var/tmp").expect("tempdir");
+        let script = dir.path().join("agent.py");
+        std::fs::write(&script, "print()\n").expect("write");
+        let args: Vec<String> = [
+            "--flag",
+            "agent.py",
+            &script.display().to_string(),
+            &dir.path().display().to_string(),
+            "/workspace/agent.py",
+            "/tmp",
+            "/no/such/file",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let found = argument_files(&args);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].named, script);
+        assert_eq!(found[0].why, Why::Argument(3));
+        assert_eq!(found[0].why.key(), ARGS_KEY);
+    }
+
+    #[test]
+    fn a_package_root_is_a_virtual_environment_or_the_node_modules_a_package_is_in() {
+        let dir = tempfile::Builder::new().tempdir_in("/var/tmp").expect("tempdir");
+        let venv = dir.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).expect("mkdir");
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").expect("write");
+        assert_eq!(package_roots(&venv.join("bin/python")), vec![venv.clone()]);
+        let modules = dir.path().join("lib/node_modules");
+        let package = modules.join("@scope/pkg");
+        std::fs::create_dir_all(package.join("dist")).expect("mkdir");
+        std::fs::write(package.join("package.json"), "{}").expect("write");
+        assert_eq!(package_roots(&package.join("dist/index.js")), vec![modules]);
+        let alone = dir.path().join("alone");
+        std::fs::create_dir_all(alone.join("bin")).expect("mkdir");
+        std::fs::write(alone.join("package.json"), "{}").expect("write");
+        assert_eq!(package_roots(&alone.join("bin/agent.js")), vec![alone]);
+        assert_eq!(package_roots(Path::new("/usr/bin/env")), Vec::<PathBuf>::new());
     }
 
     #[test]
