@@ -157,6 +157,7 @@
 //!   loopback TCP in the same run, and the relay's memory with a full replay buffer).
 
 pub mod agentcore;
+pub mod channel;
 pub mod client;
 mod error;
 pub mod protocol;

@@ -339,13 +339,18 @@ pub enum ErrorCode {
     /// 17: the broker sent more input than the relay holds unwritten (see the relay's
     /// `input_bytes`): its input window is larger than the relay allows.
     InputOverflow,
+    /// 18: the hello's epoch lies further ahead of the relay's clock than
+    /// [`EPOCH_LEEWAY`](crate::server::EPOCH_LEEWAY) allows: no broker started yet, so the relay
+    /// does not let it fence the brokers that did (see the crate's "Epochs"). A broker whose clock
+    /// runs ahead is admitted once the relay's clock catches up, so the client retries.
+    EpochAhead,
     /// A code this version does not know.
     Unknown(u16),
 }
 
 impl ErrorCode {
     /// Every known code.
-    pub const KNOWN: [ErrorCode; 17] = [
+    pub const KNOWN: [ErrorCode; 18] = [
         ErrorCode::BadFrame,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnexpectedFrame,
@@ -363,6 +368,7 @@ impl ErrorCode {
         ErrorCode::IdleTimeout,
         ErrorCode::Internal,
         ErrorCode::InputOverflow,
+        ErrorCode::EpochAhead,
     ];
 
     /// The code on the wire.
@@ -385,6 +391,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => 15,
             ErrorCode::Internal => 16,
             ErrorCode::InputOverflow => 17,
+            ErrorCode::EpochAhead => 18,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -409,6 +416,7 @@ impl ErrorCode {
             15 => ErrorCode::IdleTimeout,
             16 => ErrorCode::Internal,
             17 => ErrorCode::InputOverflow,
+            18 => ErrorCode::EpochAhead,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -433,6 +441,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => "idle-timeout",
             ErrorCode::Internal => "internal",
             ErrorCode::InputOverflow => "input-overflow",
+            ErrorCode::EpochAhead => "epoch-ahead",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
