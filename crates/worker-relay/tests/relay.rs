@@ -332,9 +332,7 @@ async fn unread_output_is_replayed_to_the_next_broker() {
     )
     .await;
     // A broker that never acknowledges: raw hello, one input line, then gone.
-    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
-        .await
-        .expect("connect");
+    let mut raw = relay.open_channel().await;
     let token = common::key().token(relay.session.as_str(), relay.generation);
     let hello = Frame::Hello(Hello {
         session: relay.session.as_str().to_owned(),
@@ -354,7 +352,7 @@ async fn unread_output_is_replayed_to_the_next_broker() {
     raw.write_all(&go.to_bytes().expect("encode"))
         .await
         .expect("data");
-    let (read_half, _write_half) = raw.into_split();
+    let (read_half, _write_half) = tokio::io::split(raw);
     let mut reader = FrameReader::new(read_half, Peer::Relay);
     let mut seen = 0;
     while seen < 50 {
@@ -387,9 +385,7 @@ async fn the_relay_pings_and_drops_silent_connections() {
         },
     )
     .await;
-    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
-        .await
-        .expect("connect");
+    let mut raw = relay.open_channel().await;
     let hello = Frame::Hello(Hello {
         session: relay.session.as_str().to_owned(),
         generation: relay.generation,
