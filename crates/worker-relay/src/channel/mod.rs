@@ -44,8 +44,9 @@
 //! broker -> relay   u16be len (48) | Noise message 1: e, [empty payload, tag]
 //! relay  -> broker  u16be len (48) | Noise message 2: e, ee, [empty payload, tag]
 //!                   or u16be 0: refused (message 1 did not authenticate)
-//! then both ways    records: u16be len (17..=65535) | ChaCha20-Poly1305(frames), at most
-//!                   65,519 plaintext bytes each; the protocol's frames (up to 1 MiB) are split
+//! then both ways    records: u16be len (17..=65535) | ChaCha20-Poly1305(frames); a side
+//!                   seals at most 16 KiB of plaintext per record and reads any up to Noise's
+//!                   65,535-byte message limit; the protocol's frames (up to 1 MiB) are split
 //!                   across records and joined again by the reader
 //! ```
 //!
