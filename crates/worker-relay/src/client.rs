@@ -191,10 +191,17 @@ impl RelayClient {
     /// Reads report these errors inside an [`io::Error`] (see [`Error::from_io`]) after the
     /// output received before them.
     ///
+    /// Every connection, the first and each reconnect, opens the [`channel`](crate::channel)
+    /// first: nothing but its handshake leaves the broker until the peer proved it holds this
+    /// session generation's secret, so a listener at a reused address receives no hello, no
+    /// token and no input.
+    ///
     /// # Errors
     /// - [`Error::Backend`] (retryable) if the relay could not be reached within the reconnect
     ///   budget; [`Error::Backend`] (not retryable) if it refused this client's session,
-    ///   generation or token.
+    ///   generation or token, or if the peer did not prove it holds the session generation's
+    ///   secret (an impostor, a worker of another session or generation) or refused this
+    ///   broker's channel key. On a reconnect the same ends the attachment with that error.
     /// - [`Error::WorkerFailed`] if the agent could not be started.
     /// - [`Error::Fenced`] if a newer broker holds the relay.
     ///
