@@ -73,7 +73,7 @@ impl ClientConfig {
     /// lease's transition count or the broker's start time in milliseconds: a relay refuses
     /// epochs older than one it accepted.
     ///
-    /// Every connection first opens the [`channel`](crate::channel) with the key derived from
+    /// Every connection first opens the [`channel`](crate::channel::initiate) with the key derived from
     /// `token`'s hash, so the relay proves it holds this session generation's secret before it
     /// receives the hello, the token or any input.
     pub fn new(session: SessionId, generation: Generation, epoch: u64, token: Token) -> Self {
@@ -191,7 +191,7 @@ impl RelayClient {
     /// Reads report these errors inside an [`io::Error`] (see [`Error::from_io`]) after the
     /// output received before them.
     ///
-    /// Every connection, the first and each reconnect, opens the [`channel`](crate::channel)
+    /// Every connection, the first and each reconnect, opens the [`channel`](crate::channel::initiate)
     /// first: nothing but its handshake leaves the broker until the peer proved it holds this
     /// session generation's secret, so a listener at a reused address receives no hello, no
     /// token and no input.

@@ -54,8 +54,8 @@ enum OverflowArg {
 
 #[derive(Debug, clap::Args)]
 struct Serve {
-    /// TCP address for the framed protocol (repeatable); default [::]:7780, IPv6 and IPv4 on one
-    /// socket (0.0.0.0:7780 on a host without IPv6), unless --http is given. `[::]:PORT` is
+    /// TCP address for the framed protocol (repeatable); default `[::]:7780`, IPv6 and IPv4 on one
+    /// socket (`0.0.0.0:7780` on a host without IPv6), unless --http is given. `[::]:PORT` is
     /// always dual-stack.
     #[arg(long)]
     listen: Vec<SocketAddr>,

@@ -391,7 +391,7 @@ mod duplex_tests {
                 let n = (i * 7919 % 5000 + 1).min(TOTAL - sent);
                 let chunk: Vec<u8> = (sent..sent + n).map(|j| j as u8).collect();
                 writer.write_all(&chunk).await.expect("write");
-                if i % 3 == 0 {
+                if i.is_multiple_of(3) {
                     writer.flush().await.expect("flush");
                 }
                 sent += n;

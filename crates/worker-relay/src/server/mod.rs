@@ -305,7 +305,7 @@ impl Relay {
     }
 
     /// Serves one connection (TCP stream, stdio bridge, WebSocket bridge) to its end: first the
-    /// [`channel`](crate::channel) handshake with the key derived from this relay's token hash
+    /// [`channel`](crate::channel::initiate) handshake with the key derived from this relay's token hash
     /// (a peer that does not authenticate is refused before it learns anything, the session's
     /// generation included), then the framed protocol inside the channel.
     ///
