@@ -3,7 +3,9 @@
 //!
 //! # Framing
 //!
-//! Every frame is a 6-byte header followed by a payload; integers are big-endian.
+//! Every frame is a 6-byte header followed by a payload; integers are big-endian. Frames travel
+//! only inside the [`channel`](crate::channel::SecureStream)'s encrypted records, after its
+//! handshake: this layer neither authenticates nor encrypts, and needs not.
 //!
 //! ```text
 //! +---------+------+----------------+=====================+
@@ -185,7 +187,9 @@ impl fmt::Display for FrameType {
     }
 }
 
-/// The first frame of every connection, broker to relay.
+/// The first frame of every connection, broker to relay, sent once the channel is open (so the
+/// token never crosses the wire in the clear, and a hello captured from one connection opens no
+/// other).
 ///
 /// Payload: `generation u64, epoch u64, nonce u64, resume u64, token [u8; 32], session (u8 length,
 /// 1..=64 bytes of ASCII letters, digits, `-` and `_`)`.
@@ -195,9 +199,12 @@ pub struct Hello {
     pub session: String,
     /// The worker generation the broker means to reach.
     pub generation: u64,
-    /// The broker's epoch; a newer epoch replaces the current connection, an older one is refused.
+    /// The broker's epoch; a newer epoch replaces the current connection, an older one is refused,
+    /// and one further ahead of the relay's clock than
+    /// [`EPOCH_LEEWAY`](crate::server::EPOCH_LEEWAY) is refused too (see the crate's "Epochs").
     pub epoch: u64,
-    /// Strictly increasing within one epoch; a hello that does not raise it is a replay.
+    /// Strictly increasing within one epoch; a hello that does not raise it is sent again (by
+    /// the broker itself, since the channel keeps captured hellos from being replayed).
     pub nonce: u64,
     /// The last agent output item the broker holds, or 0 for "everything you still have".
     pub resume: Seq,
