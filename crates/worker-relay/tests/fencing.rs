@@ -78,6 +78,7 @@ impl AsyncWrite for Tee {
 async fn first_reply(relay: &RelayProcess, bytes: &[u8]) -> Frame {
     let mut stream = relay.open_channel().await;
     stream.write_all(bytes).await.expect("send");
+    stream.flush().await.expect("flush");
     let mut reader = FrameReader::new(stream, Peer::Relay);
     within("reply", reader.next())
         .await
@@ -339,11 +340,13 @@ async fn a_full_buffer_blocks_the_agent_and_loses_nothing() {
         raw.write_all(&Frame::Hello(hello(&relay, 1, 1)).to_bytes().expect("encode"))
             .await
             .expect("hello");
+        raw.flush().await.expect("flush");
         let go = Frame::Data {
             seq: 1,
             payload: bytes::Bytes::from_static(b"go\n"),
         };
         raw.write_all(&go.to_bytes().expect("encode")).await.expect("go");
+        raw.flush().await.expect("flush");
         let mut welcome = [0u8; HEADER_LEN];
         raw.read_exact(&mut welcome).await.expect("welcome header");
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -382,8 +385,10 @@ async fn duplicate_input_is_dropped_and_a_gap_is_refused() {
         .write_all(&Frame::Hello(hello(&relay, 1, 1)).to_bytes().expect("encode"))
         .await
         .expect("hello");
+    write_half.flush().await.expect("flush");
     for frame in [data(1, "a\n"), data(1, "a\n"), data(2, "b\n"), data(1, "a\n")] {
         write_half.write_all(&frame).await.expect("send");
+        write_half.flush().await.expect("flush");
     }
     let mut echoed = Vec::new();
     let mut acked = 0;
@@ -398,6 +403,7 @@ async fn duplicate_input_is_dropped_and_a_gap_is_refused() {
     }
     assert_eq!(acked, 2, "duplicates take no sequence numbers");
     write_half.write_all(&data(4, "gap\n")).await.expect("send");
+    write_half.flush().await.expect("flush");
     loop {
         match within("frame", reader.next()).await.expect("frame") {
             Some(Frame::Error { code, .. }) => {

@@ -36,8 +36,8 @@ const SEALED_LIMIT: usize = 128 * 1024;
 /// channel opened by [`initiate`](super::initiate) or [`respond`](super::respond).
 ///
 /// Writes are sealed into records of at most [`MAX_RECORD_PLAINTEXT`] bytes and handed to `T`
-/// as it takes them; a write may return once its record is sealed, so callers flush (as every
-/// writer of the protocol does) to be sure it left. Reads return plaintext as each record
+/// once 128 KiB are sealed or on a flush; a write returns once its records are sealed, so callers
+/// flush (as every writer of the protocol does) for them to leave. Reads return plaintext as each record
 /// arrives whole and authenticates.
 ///
 /// # Errors
@@ -159,6 +159,11 @@ fn broken_error(kind: io::ErrorKind) -> io::Error {
 }
 
 impl<T: AsyncWrite + Unpin> SecureStream<T> {
+    /// Sealed bytes not yet taken by the transport.
+    fn unsent(&self) -> usize {
+        self.sealed.len() - self.sealed_start
+    }
+
     /// Hands sealed records to the transport until none is left.
     fn poll_push(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.sealed_start < self.sealed.len() {
@@ -218,20 +223,27 @@ impl<T: AsyncRead + Unpin> AsyncRead for SecureStream<T> {
 impl<T: AsyncWrite + Unpin> AsyncWrite for SecureStream<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.sealed.len() - this.sealed_start >= SEALED_LIMIT {
+        if this.unsent() >= SEALED_LIMIT {
             ready!(this.poll_push(cx))?;
         }
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
-        let n = buf.len().min(MAX_RECORD_PLAINTEXT);
-        this.seal(&buf[..n])?;
-        // Start sending at once; what the transport does not take yet waits for the next write
-        // or the flush.
-        if let Poll::Ready(Err(error)) = this.poll_push(cx) {
-            return Poll::Ready(Err(error));
+        // Seal record after record while there is room, so that a large write costs one system
+        // call per SEALED_LIMIT rather than one per record; the flush every writer of the
+        // protocol ends with sends the rest.
+        let mut taken = 0;
+        while taken < buf.len() && (taken == 0 || this.unsent() < SEALED_LIMIT) {
+            let n = (buf.len() - taken).min(MAX_RECORD_PLAINTEXT);
+            this.seal(&buf[taken..taken + n])?;
+            taken += n;
         }
-        Poll::Ready(Ok(n))
+        if this.unsent() >= SEALED_LIMIT {
+            if let Poll::Ready(Err(error)) = this.poll_push(cx) {
+                return Poll::Ready(Err(error));
+            }
+        }
+        Poll::Ready(Ok(taken))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
