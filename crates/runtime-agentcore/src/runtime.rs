@@ -195,10 +195,12 @@ impl AgentCoreRuntimeBuilder {
                 })?
             }
         };
-        // Every process's hellos carry a newer epoch than the ones before it.
+        // Every process's hellos carry a newer epoch than the ones before it: its start time in
+        // milliseconds, the unit the relay bounds epochs by (one further ahead of its clock than
+        // `worker_relay::server::EPOCH_LEEWAY` is refused; microseconds would be).
         let epoch = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+            .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         Ok(AgentCoreRuntime {
             inner: Arc::new(Inner {
                 config: self.config,

@@ -236,6 +236,9 @@ impl KubernetesRuntimeBuilder {
 
     /// The broker epoch the relay checks (a newer epoch takes a relay over from an older one);
     /// default: milliseconds since the Unix epoch at build time, so a restarted broker is newer.
+    /// A relay refuses an epoch more than a minute ahead of its clock
+    /// ([`EPOCH_LEEWAY`](worker_relay::server::EPOCH_LEEWAY)): use a clock reading or a counter
+    /// (such as a lease's transitions), never an arbitrary large number.
     pub fn epoch(mut self, epoch: u64) -> Self {
         self.epoch = Some(epoch);
         self

@@ -21,6 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter, ReadBuf};
 use tokio::sync::{oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::channel::{self, ChannelKey, HandshakeError};
 use crate::error::RelayError;
 use crate::protocol::{
     Arrival, DelayedAck, Frame, FrameReader, Hello, LazyTimer, Peer, ReadError, RelaySignal, Seq, Sequencer,
@@ -42,6 +43,7 @@ pub struct ClientConfig {
     generation: Generation,
     epoch: u64,
     token: Token,
+    channel_key: ChannelKey,
     heartbeat: Duration,
     idle_timeout: Duration,
     handshake_timeout: Duration,
@@ -70,11 +72,16 @@ impl ClientConfig {
     /// `epoch` must grow whenever a new broker (process or leader) takes over, e.g. the leader
     /// lease's transition count or the broker's start time in milliseconds: a relay refuses
     /// epochs older than one it accepted.
+    ///
+    /// Every connection first opens the [`channel`](crate::channel::initiate) with the key derived from
+    /// `token`'s hash, so the relay proves it holds this session generation's secret before it
+    /// receives the hello, the token or any input.
     pub fn new(session: SessionId, generation: Generation, epoch: u64, token: Token) -> Self {
         Self {
             session,
             generation,
             epoch,
+            channel_key: ChannelKey::for_token(session.as_str(), &token),
             token,
             heartbeat: Duration::from_secs(15),
             idle_timeout: Duration::from_secs(45),
@@ -184,10 +191,17 @@ impl RelayClient {
     /// Reads report these errors inside an [`io::Error`] (see [`Error::from_io`]) after the
     /// output received before them.
     ///
+    /// Every connection, the first and each reconnect, opens the [`channel`](crate::channel::initiate)
+    /// first: nothing but its handshake leaves the broker until the peer proved it holds this
+    /// session generation's secret, so a listener at a reused address receives no hello, no
+    /// token and no input.
+    ///
     /// # Errors
     /// - [`Error::Backend`] (retryable) if the relay could not be reached within the reconnect
     ///   budget; [`Error::Backend`] (not retryable) if it refused this client's session,
-    ///   generation or token.
+    ///   generation or token, or if the peer did not prove it holds the session generation's
+    ///   secret (an impostor, a worker of another session or generation) or refused this
+    ///   broker's channel key. On a reconnect the same ends the attachment with that error.
     /// - [`Error::WorkerFailed`] if the agent could not be started.
     /// - [`Error::Fenced`] if a newer broker holds the relay.
     ///
@@ -718,6 +732,12 @@ async fn connect(
     let config = &shared.config;
     let handshake = async {
         let transport = connector.connect().await.map_err(RelayError::Connect)?;
+        // Nothing but the handshake goes out before the relay proved it holds the secret.
+        let transport: Transport = Box::new(
+            channel::initiate(transport, &config.channel_key)
+                .await
+                .map_err(channel_error)?,
+        );
         let (read_half, write_half) = tokio::io::split(transport);
         let mut reader = FrameReader::new(read_half, Peer::Relay);
         let mut writer = BufWriter::with_capacity(64 * 1024, write_half);
@@ -756,6 +776,13 @@ async fn connect(
         .map_err(|_| RelayError::Timeout("the relay handshake"))??;
     apply_welcome(shared, &welcome)?;
     Ok((reader, writer, welcome))
+}
+
+fn channel_error(error: HandshakeError) -> RelayError {
+    match error {
+        HandshakeError::Io(error) => RelayError::Transport(error),
+        other => RelayError::Unauthenticated(other),
+    }
 }
 
 fn read_error(error: ReadError) -> RelayError {

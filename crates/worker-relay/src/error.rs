@@ -38,6 +38,11 @@ pub(crate) enum RelayError {
         /// Its message.
         message: String,
     },
+    /// The channel handshake failed for a reason reconnecting will not change: the peer does not
+    /// hold this session generation's secret (an impostor, a worker of another session or
+    /// generation), refused this client's key, or speaks no channel.
+    #[error("the relay channel was not authenticated: {0}")]
+    Unauthenticated(#[source] crate::channel::HandshakeError),
     /// The relay accepted input this client never sent: another broker wrote to the agent.
     #[error("the relay accepted input this client never sent (another broker took over)")]
     Diverged,
@@ -72,7 +77,10 @@ impl RelayError {
                     | ErrorCode::SpawnFailed
                     | ErrorCode::InputOverflow
             ),
-            RelayError::Diverged | RelayError::GaveUp { .. } | RelayError::WorkerLost(_) => true,
+            RelayError::Diverged
+            | RelayError::GaveUp { .. }
+            | RelayError::WorkerLost(_)
+            | RelayError::Unauthenticated(_) => true,
             RelayError::Connect(error) => Refusal::from_io(error).is_some(),
             RelayError::Transport(_)
             | RelayError::Frame(_)
@@ -89,6 +97,7 @@ impl RelayError {
     /// | `resume-gap` | [`Error::Disconnected`] |
     /// | `spawn-failed` | [`Error::WorkerFailed`] with [`WorkerFailure::Spawn`] |
     /// | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | [`Error::Backend`], not retryable |
+    /// | the channel handshake failed other than by the transport (the relay did not prove it holds the session generation's secret, or refused the broker's) | [`Error::Backend`], not retryable |
     /// | the connector's [`Refusal`] | [`Error::Backend`], retryable as the refusal says |
     /// | the worker lost, as its placer said ([`RelayClient::attach_until`](crate::RelayClient::attach_until)) | [`Error::WorkerFailed`] with that cause |
     /// | never connected within the reconnect budget | [`Error::Backend`], retryable |
@@ -122,6 +131,10 @@ impl RelayError {
                 ),
                 _ => Error::Disconnected { id },
             },
+            RelayError::Unauthenticated(_) => backend(
+                false,
+                "the worker relay channel was not authenticated: the peer does not hold this session generation's secret, or refused the broker's",
+            ),
             RelayError::Diverged => Error::Fenced {
                 id,
                 generation,
@@ -238,5 +251,13 @@ mod tests {
         assert!(!rejected(ErrorCode::ReplayedHello).is_fatal());
         assert!(!rejected(ErrorCode::IdleTimeout).is_fatal());
         assert!(!RelayError::Timeout("x").is_fatal());
+        assert!(!rejected(ErrorCode::EpochAhead).is_fatal());
+        let impostor = RelayError::Unauthenticated(crate::channel::HandshakeError::PeerUnauthenticated);
+        assert!(impostor.is_fatal());
+        assert!(matches!(
+            convert(impostor),
+            Error::Backend { retryable: false, .. }
+        ));
+        assert!(!RelayError::Transport(io::ErrorKind::UnexpectedEof.into()).is_fatal());
     }
 }

@@ -7,7 +7,8 @@
 //!  broker                                        worker (Pod or microVM)
 //! +---------------------------+  TCP, exec stdio  +----------------------------+
 //! | RelayClient -> Attachment |<-- or WebSocket ->| oab-relay serve -- <agent> |
-//! | (reconnects, resumes)     |  framed protocol  | (spawns, buffers, fences)  |
+//! | (reconnects, resumes)     |  Noise channel,   | (spawns, buffers, fences)  |
+//! |                           |  framed protocol  |                            |
 //! +---------------------------+                   +-------------+--------------+
 //!                                                               | stdin/stdout pipes
 //!                                                          agent (ACP)
@@ -20,14 +21,21 @@
 //! - [`client`]: [`RelayClient`] turns any [`Connector`] (TCP, a command's stdio, a WebSocket)
 //!   into a contract [`Attachment`](session_runtime::Attachment) that reconnects and resumes
 //!   transparently.
+//! - [`channel`]: the mutually authenticated, encrypted channel (a Noise `NNpsk0` handshake
+//!   through `snow`, then ChaCha20-Poly1305 records) every connection opens before a frame flows.
 //! - [`protocol`]: frames, their encoding, the decoder and [`Sequencer`](protocol::Sequencer).
 //! - [`token`]: `HMAC-SHA256` tokens; the worker holds only their hash.
 //!
 //! # Protocol
 //!
-//! Length-prefixed binary frames: `version u8 (1) | type u8 | length u32 | payload` (big-endian,
-//! payload at most 1 MiB, rejected from the header alone if longer). The same bytes run over
-//! TCP, the `oab-relay connect` stdio bridge and WebSocket binary messages.
+//! Every connection first opens the [`channel`]: a two-message Noise handshake keyed by a secret
+//! derived from the token's hash, in which the relay proves it holds this session generation's
+//! secret before the broker sends anything else. Everything below then travels inside its
+//! encrypted records. The same bytes run over TCP, the `oab-relay connect` stdio bridge and
+//! WebSocket binary messages.
+//!
+//! Inside it, length-prefixed binary frames: `version u8 (1) | type u8 | length u32 | payload`
+//! (big-endian, payload at most 1 MiB, rejected from the header alone if longer).
 //!
 //! | type | dir | payload | meaning |
 //! |---|---|---|---|
@@ -44,13 +52,40 @@
 //! Error codes ([`ErrorCode`]): 1 `bad-frame`, 2 `unsupported-version`, 3 `unexpected-frame`,
 //! 4 `out-of-order`, 5 `frame-too-large`, 6 `session-mismatch`, 7 `stale-generation`,
 //! 8 `bad-token`, 9 `stale-epoch`, 10 `replayed-hello`, 11 `resume-gap`, 12 `superseded`,
-//! 13 `spawn-failed`, 14 `handshake-timeout`, 15 `idle-timeout`, 16 `internal`. A refused
-//! connection never disturbs the current one.
+//! 13 `spawn-failed`, 14 `handshake-timeout`, 15 `idle-timeout`, 16 `internal`,
+//! 17 `input-overflow`, 18 `epoch-ahead`. A refused connection never disturbs the current one. A
+//! peer that fails the channel handshake gets no error frame at all: only the channel's empty
+//! refusal.
 //!
-//! A hello is checked in this order: session, generation (`stale-generation`), token
-//! (`bad-token`), epoch (`stale-epoch` if older than the newest accepted), nonce (`replayed-hello`
-//! if it does not exceed the last accepted one of the same epoch), resume point (`resume-gap`). An
-//! accepted hello replaces the current connection, which is closed with `superseded`.
+//! A hello is checked in this order: token (`bad-token`: nothing else is said to a client
+//! without it, not even the generation), session (`session-mismatch`), generation
+//! (`stale-generation`), epoch (`epoch-ahead` if further ahead of the relay's clock than
+//! [`EPOCH_LEEWAY`](server::EPOCH_LEEWAY), `stale-epoch` if older than the newest accepted), nonce
+//! (`replayed-hello` if it does not exceed the last accepted one of the same epoch), resume point
+//! (`resume-gap`). An accepted hello replaces the current connection, which is closed with
+//! `superseded`.
+//!
+//! # Epochs
+//!
+//! A hello with a newer epoch takes the relay over from an older one; that is how a restarted
+//! broker (epoch: its start time in milliseconds) or a new leader fences its predecessor. The
+//! relay cannot tell a broker from any other holder of the token, so it does not trust a
+//! client-chosen epoch blindly; it *bounds* it by its own clock: an epoch more than
+//! [`EPOCH_LEEWAY`](server::EPOCH_LEEWAY) (60 s) ahead is refused with `epoch-ahead` (the
+//! client retries: a broker whose clock runs ahead gets in once the relay's catches up). Why a
+//! bound, and not signed epochs or connection order:
+//!
+//! - Who can hold the token at all is now narrow: it travels only inside a channel whose other
+//!   end proved it holds the session generation's secret, so eavesdroppers, impostors at a reused
+//!   Pod IP and relays of other sessions never see it, and captured bytes cannot be replayed (see
+//!   [`channel`]). What remains is the broker and the worker itself.
+//! - Against those, the bound is what the relay can check on its own: a holder can claim at most
+//!   "now + 60 s", which fences the brokers started before that moment, as a newer broker would,
+//!   but every broker started later wins again. The `2^64-1` lockout "for good" is gone.
+//! - Fencing by connection order alone would let a partitioned old broker's reconnect take the
+//!   stream back from its successor; signed epochs would need a signing key in the broker and
+//!   its public half in every worker (and in AgentCore's shared environment), for a threat (the
+//!   worker disturbing its own session) that the agent inside it can already carry out by exiting.
 //!
 //! # Guarantees
 //!
@@ -89,6 +124,8 @@
 //! | `resume-gap` | `Disconnected` |
 //! | `spawn-failed` | `WorkerFailed` with `WorkerFailure::Spawn` |
 //! | `stale-generation`, `session-mismatch`, `bad-token`, `unsupported-version`, `input-overflow` | `Backend`, not retryable |
+//! | the channel handshake failed other than by the transport: the relay did not prove it holds the session generation's secret, refused the broker's key, or speaks no channel | `Backend`, not retryable (the broker sent it nothing but the handshake) |
+//! | `epoch-ahead` | retried with backoff; `Backend` (retryable) or `Disconnected` once the reconnect budget is spent |
 //! | a connector's [`Refusal`] (e.g. AgentCore denied access) | `Backend`, at once, retryable as it says |
 //! | no connection within the reconnect budget on attach | `Backend`, retryable |
 //! | connection lost for longer than the reconnect budget | `Disconnected` |
@@ -97,11 +134,16 @@
 //! [`Error::from_io`](session_runtime::Error::from_io)) after the output received before them;
 //! writes through [`AgentInput`](session_runtime::AgentInput) report `Disconnected`.
 //!
-//! # Tokens
+//! # Tokens and the channel key
 //!
 //! The broker derives `token = HMAC-SHA256(broker key, u8 len ‖ session id ‖ u64be generation)`
 //! ([`BrokerKey::token`]) and gives the worker only `SHA-256(token)` in hex, in the environment
-//! variable [`TOKEN_HASH_ENV`](token::TOKEN_HASH_ENV); the relay compares in constant time.
+//! variable [`TOKEN_HASH_ENV`](token::TOKEN_HASH_ENV). Both sides derive the channel's pre-shared
+//! key from that hash and the session id ([`ChannelKey`](channel::ChannelKey)): the relay proves
+//! it holds the hash by completing the handshake, the broker proves it holds the token itself (a
+//! preimage nothing in the worker can compute) in its hello inside the channel, which the relay
+//! compares in constant time. A token (and so a channel key) of one session or generation opens
+//! nothing of another.
 //!
 //! # The binary
 //!
@@ -114,8 +156,9 @@
 //! ```
 //!
 //! `serve` reads `OAB_RELAY_SESSION`, `OAB_RELAY_GENERATION` and `OAB_RELAY_TOKEN_SHA256`
-//! (never passed on to the agent), listens on TCP port [`DEFAULT_PORT`](server::DEFAULT_PORT)
-//! unless told otherwise, and with `--http 0.0.0.0:8080` serves AgentCore's contract (`GET /ping`,
+//! (never passed on to the agent), listens on TCP port [`DEFAULT_PORT`](server::DEFAULT_PORT) of
+//! `[::]` with `IPV6_V6ONLY` off, so IPv6 and IPv4 brokers reach it on one socket (`0.0.0.0` on a
+//! host without IPv6; [`server::listen`]) unless told otherwise, and with `--http 0.0.0.0:8080` serves AgentCore's contract (`GET /ping`,
 //! WebSocket `/ws`, `POST /invocations`). With `--agentcore` it needs no session, generation
 //! or token hash: it serves only that contract (on `0.0.0.0:8080` by default), takes them from
 //! the runtime session id AgentCore passes in each `/ws` request's header ([`agentcore`]), and
@@ -144,8 +187,11 @@
 //!
 //! # Testing
 //!
-//! - `cargo test -p worker-relay`: protocol and token unit tests; `oab-relay` processes driven
-//!   end to end (`tests/relay.rs`, `tests/fencing.rs`); 10,000 lines each way across 200 random
+//! - `cargo test -p worker-relay`: protocol, channel and token unit tests; `oab-relay` processes
+//!   driven end to end (`tests/relay.rs`, `tests/fencing.rs`); the channel attacked from outside
+//!   (`tests/authentication.rs`: a replayed exchange with a larger epoch, a token holder's epoch,
+//!   an impostor listener, a relay with another secret, a client fishing for the generation, the
+//!   dual-stack listener); 10,000 lines each way across 200 random
 //!   transport drops, cancel under a 50 MiB stream, memory with a full buffer
 //!   (`tests/reliability.rs`); the contract's conformance suite through a `RelayRuntime` whose
 //!   workers are `oab-relay serve -- acp-test-agent` (`tests/conformance.rs`); a bounded
@@ -157,6 +203,7 @@
 //!   loopback TCP in the same run, and the relay's memory with a full replay buffer).
 
 pub mod agentcore;
+pub mod channel;
 pub mod client;
 mod error;
 pub mod protocol;

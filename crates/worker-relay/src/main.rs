@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{signal, SignalKind};
-use worker_relay::server::DEFAULT_PORT;
+use worker_relay::server::{listen, DEFAULT_PORT};
 use worker_relay::server::{AgentCoreServer, RelayTemplate};
 use worker_relay::token::TOKEN_HASH_ENV;
 use worker_relay::{Overflow, Relay, RelayConfig, TokenHash};
@@ -54,7 +54,9 @@ enum OverflowArg {
 
 #[derive(Debug, clap::Args)]
 struct Serve {
-    /// TCP address for the framed protocol (repeatable); default 0.0.0.0:7780 unless --http is given.
+    /// TCP address for the framed protocol (repeatable); default `[::]:7780`, IPv6 and IPv4 on one
+    /// socket (`0.0.0.0:7780` on a host without IPv6), unless --http is given. `[::]:PORT` is
+    /// always dual-stack.
     #[arg(long)]
     listen: Vec<SocketAddr>,
     /// HTTP address for AgentCore's contract: GET /ping, WebSocket /ws, POST /invocations;
@@ -269,17 +271,25 @@ async fn run_serve(serve: Serve) -> i32 {
         (Ok(term), Ok(int)) => (term, int),
         (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
     };
-    let mut listen = serve.listen;
-    if listen.is_empty() && serve.http.is_none() {
-        listen.push(SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)));
+    let mut listeners = Vec::new();
+    if serve.listen.is_empty() && serve.http.is_none() {
+        match listen::bind_any(DEFAULT_PORT) {
+            Ok(listener) => listeners.push(listener),
+            Err(error) => return fail(&format!("cannot listen on port {DEFAULT_PORT}: {error}")),
+        }
+    }
+    for addr in &serve.listen {
+        match listen::bind(*addr) {
+            Ok(listener) => listeners.push(listener),
+            Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
+        }
     }
     let mut announce = Vec::new();
-    for addr in listen {
-        let listener = match TcpListener::bind(addr).await {
-            Ok(listener) => listener,
-            Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
-        };
-        announce.push(format!("tcp {}", local_addr(&listener, addr)));
+    for listener in listeners {
+        match listener.local_addr() {
+            Ok(addr) => announce.push(format!("tcp {addr}")),
+            Err(error) => return fail(&format!("cannot tell a listener's address: {error}")),
+        }
         let relay = relay.clone();
         tokio::spawn(async move { relay.serve_tcp(listener).await });
     }

@@ -3,7 +3,9 @@
 //!
 //! # Framing
 //!
-//! Every frame is a 6-byte header followed by a payload; integers are big-endian.
+//! Every frame is a 6-byte header followed by a payload; integers are big-endian. Frames travel
+//! only inside the [`channel`](crate::channel::SecureStream)'s encrypted records, after its
+//! handshake: this layer neither authenticates nor encrypts, and needs not.
 //!
 //! ```text
 //! +---------+------+----------------+=====================+
@@ -185,7 +187,9 @@ impl fmt::Display for FrameType {
     }
 }
 
-/// The first frame of every connection, broker to relay.
+/// The first frame of every connection, broker to relay, sent once the channel is open (so the
+/// token never crosses the wire in the clear, and a hello captured from one connection opens no
+/// other).
 ///
 /// Payload: `generation u64, epoch u64, nonce u64, resume u64, token [u8; 32], session (u8 length,
 /// 1..=64 bytes of ASCII letters, digits, `-` and `_`)`.
@@ -195,9 +199,12 @@ pub struct Hello {
     pub session: String,
     /// The worker generation the broker means to reach.
     pub generation: u64,
-    /// The broker's epoch; a newer epoch replaces the current connection, an older one is refused.
+    /// The broker's epoch; a newer epoch replaces the current connection, an older one is refused,
+    /// and one further ahead of the relay's clock than
+    /// [`EPOCH_LEEWAY`](crate::server::EPOCH_LEEWAY) is refused too (see the crate's "Epochs").
     pub epoch: u64,
-    /// Strictly increasing within one epoch; a hello that does not raise it is a replay.
+    /// Strictly increasing within one epoch; a hello that does not raise it is sent again (by
+    /// the broker itself, since the channel keeps captured hellos from being replayed).
     pub nonce: u64,
     /// The last agent output item the broker holds, or 0 for "everything you still have".
     pub resume: Seq,
@@ -339,13 +346,18 @@ pub enum ErrorCode {
     /// 17: the broker sent more input than the relay holds unwritten (see the relay's
     /// `input_bytes`): its input window is larger than the relay allows.
     InputOverflow,
+    /// 18: the hello's epoch lies further ahead of the relay's clock than
+    /// [`EPOCH_LEEWAY`](crate::server::EPOCH_LEEWAY) allows: no broker started yet, so the relay
+    /// does not let it fence the brokers that did (see the crate's "Epochs"). A broker whose clock
+    /// runs ahead is admitted once the relay's clock catches up, so the client retries.
+    EpochAhead,
     /// A code this version does not know.
     Unknown(u16),
 }
 
 impl ErrorCode {
     /// Every known code.
-    pub const KNOWN: [ErrorCode; 17] = [
+    pub const KNOWN: [ErrorCode; 18] = [
         ErrorCode::BadFrame,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnexpectedFrame,
@@ -363,6 +375,7 @@ impl ErrorCode {
         ErrorCode::IdleTimeout,
         ErrorCode::Internal,
         ErrorCode::InputOverflow,
+        ErrorCode::EpochAhead,
     ];
 
     /// The code on the wire.
@@ -385,6 +398,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => 15,
             ErrorCode::Internal => 16,
             ErrorCode::InputOverflow => 17,
+            ErrorCode::EpochAhead => 18,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -409,6 +423,7 @@ impl ErrorCode {
             15 => ErrorCode::IdleTimeout,
             16 => ErrorCode::Internal,
             17 => ErrorCode::InputOverflow,
+            18 => ErrorCode::EpochAhead,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -433,6 +448,7 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => "idle-timeout",
             ErrorCode::Internal => "internal",
             ErrorCode::InputOverflow => "input-overflow",
+            ErrorCode::EpochAhead => "epoch-ahead",
             ErrorCode::Unknown(_) => "unknown",
         }
     }

@@ -332,9 +332,7 @@ async fn unread_output_is_replayed_to_the_next_broker() {
     )
     .await;
     // A broker that never acknowledges: raw hello, one input line, then gone.
-    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
-        .await
-        .expect("connect");
+    let mut raw = relay.open_channel().await;
     let token = common::key().token(relay.session.as_str(), relay.generation);
     let hello = Frame::Hello(Hello {
         session: relay.session.as_str().to_owned(),
@@ -347,6 +345,7 @@ async fn unread_output_is_replayed_to_the_next_broker() {
     raw.write_all(&hello.to_bytes().expect("encode"))
         .await
         .expect("hello");
+    raw.flush().await.expect("flush");
     let go = Frame::Data {
         seq: 1,
         payload: bytes::Bytes::from_static(b"go\n"),
@@ -354,7 +353,8 @@ async fn unread_output_is_replayed_to_the_next_broker() {
     raw.write_all(&go.to_bytes().expect("encode"))
         .await
         .expect("data");
-    let (read_half, _write_half) = raw.into_split();
+    raw.flush().await.expect("flush");
+    let (read_half, _write_half) = tokio::io::split(raw);
     let mut reader = FrameReader::new(read_half, Peer::Relay);
     let mut seen = 0;
     while seen < 50 {
@@ -387,9 +387,7 @@ async fn the_relay_pings_and_drops_silent_connections() {
         },
     )
     .await;
-    let mut raw = TcpStream::connect(relay.tcp.expect("tcp"))
-        .await
-        .expect("connect");
+    let mut raw = relay.open_channel().await;
     let hello = Frame::Hello(Hello {
         session: relay.session.as_str().to_owned(),
         generation: relay.generation,
@@ -401,6 +399,7 @@ async fn the_relay_pings_and_drops_silent_connections() {
     raw.write_all(&hello.to_bytes().expect("encode"))
         .await
         .expect("hello");
+    raw.flush().await.expect("flush");
     let mut reader = FrameReader::new(raw, Peer::Relay);
     let mut pings = 0;
     let closing = loop {
@@ -493,6 +492,7 @@ async fn http_post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, 
 async fn http_request(addr: std::net::SocketAddr, request: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     stream.write_all(request.as_bytes()).await.expect("request");
+    stream.flush().await.expect("flush");
     let mut response = String::new();
     tokio::time::timeout(PATIENCE, stream.read_to_string(&mut response))
         .await

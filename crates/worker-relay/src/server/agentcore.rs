@@ -34,8 +34,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::{http, refuse, Relay, RelayConfig};
+use super::{check_epoch_not_ahead, http, refuse, Relay, RelayConfig};
 use crate::agentcore::{RuntimeSessionId, SESSION_HEADER};
+use crate::channel::{self, ChannelKey};
 use crate::protocol::{decode_frame, ErrorCode, Frame, Hello, Peer};
 use crate::token::{Token, TokenHash};
 
@@ -239,9 +240,27 @@ impl Front {
         Ok(removed)
     }
 
-    /// Reads the connection's hello, picks (or starts) the relay for its generation and hands
-    /// the connection, hello included, to it.
-    pub(super) async fn serve_connection(&self, mut transport: DuplexStream) {
+    /// Opens the channel with the key of the bound runtime session (derived from the token hash
+    /// its id carries), reads the connection's hello inside it, picks (or starts) the relay for
+    /// its generation and hands the connection, hello included, to it. A peer that does not
+    /// authenticate gets the channel's refusal and nothing else.
+    pub(super) async fn serve_connection(&self, transport: DuplexStream) {
+        let Some(bound) = self.bound.lock().clone() else {
+            return;
+        };
+        let key = ChannelKey::derive(bound.session(), bound.token_hash());
+        let opened = tokio::time::timeout(self.handshake_timeout, channel::respond(transport, &key)).await;
+        let mut transport = match opened {
+            Ok(Ok(secure)) => secure,
+            Ok(Err(error)) => {
+                tracing::info!(%error, "a connection failed the channel handshake");
+                return;
+            }
+            Err(_) => {
+                tracing::info!("a connection did not complete the channel handshake in time");
+                return;
+            }
+        };
         let mut received = BytesMut::with_capacity(512);
         let hello = loop {
             match decode_frame(&received, Peer::Broker) {
@@ -268,7 +287,7 @@ impl Front {
             Err((code, message)) => return refuse(&mut transport, code, message).await,
         };
         relay
-            .serve_connection(Replayed {
+            .serve_authenticated(Replayed {
                 head: received.freeze(),
                 rest: transport,
             })
@@ -279,16 +298,18 @@ impl Front {
         let Some(bound) = self.bound.lock().clone() else {
             return Err((ErrorCode::Internal, "not bound to a runtime session".into()));
         };
+        // Before anything is retired for it, or told about, the hello must prove it comes from
+        // the broker.
+        if !bound.token_hash().verify(&hello.token) {
+            return Err((ErrorCode::BadToken, "the token does not match".into()));
+        }
         if hello.session != bound.session() {
             return Err((
                 ErrorCode::SessionMismatch,
                 format!("this worker serves another session than {}", hello.session),
             ));
         }
-        // Before anything is retired for it, the hello must prove it comes from the broker.
-        if !bound.token_hash().verify(&hello.token) {
-            return Err((ErrorCode::BadToken, "the token does not match".into()));
-        }
+        check_epoch_not_ahead(hello.epoch)?;
         let _switch = self.switching.lock().await;
         if self.stopped.is_cancelled() {
             return Err((ErrorCode::Internal, "the worker is stopping".into()));
@@ -415,12 +436,12 @@ fn empty_dir(dir: &Path) -> std::io::Result<usize> {
 }
 
 /// A connection whose first bytes were already read: they are read again, then the rest.
-struct Replayed {
+struct Replayed<S> {
     head: Bytes,
-    rest: DuplexStream,
+    rest: S,
 }
 
-impl AsyncRead for Replayed {
+impl<S: AsyncRead + Unpin> AsyncRead for Replayed<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -436,7 +457,7 @@ impl AsyncRead for Replayed {
     }
 }
 
-impl AsyncWrite for Replayed {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Replayed<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

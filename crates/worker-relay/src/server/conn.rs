@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{refuse, Inner, Refusal};
+use crate::channel::{self, ChannelKey};
 use crate::protocol::{DelayedAck, ErrorCode, Frame, FrameReader, LazyTimer, Peer, ReadError, Seq, Welcome};
 
 /// Output bytes gathered per write batch.
@@ -29,7 +30,27 @@ enum Command {
     Close(Refusal),
 }
 
+/// Opens the channel on `stream` (the broker proves it holds the session generation's key, the
+/// relay proves it holds the secret), then serves the connection inside it. A peer that does not
+/// authenticate within the handshake timeout gets the channel's refusal and nothing else.
 pub(super) async fn serve<S>(inner: Arc<Inner>, stream: S)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let key = ChannelKey::derive(&inner.config.session, &inner.config.token_hash);
+    let opened = tokio::select! {
+        opened = tokio::time::timeout(inner.config.handshake_timeout, channel::respond(stream, &key)) => opened,
+        () = inner.done.cancelled() => return,
+    };
+    match opened {
+        Ok(Ok(secure)) => serve_authenticated(inner, secure).await,
+        Ok(Err(error)) => tracing::info!(%error, "a connection failed the channel handshake"),
+        Err(_) => tracing::info!("a connection did not complete the channel handshake in time"),
+    }
+}
+
+/// Serves a connection whose channel is open: the hello, then both directions.
+pub(super) async fn serve_authenticated<S>(inner: Arc<Inner>, stream: S)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {

@@ -5,6 +5,7 @@ mod agent;
 mod agentcore;
 mod conn;
 mod http;
+pub mod listen;
 
 mod log;
 
@@ -303,7 +304,10 @@ impl Relay {
         })
     }
 
-    /// Serves one connection (TCP stream, stdio bridge, WebSocket bridge) to its end.
+    /// Serves one connection (TCP stream, stdio bridge, WebSocket bridge) to its end: first the
+    /// [`channel`](crate::channel::initiate) handshake with the key derived from this relay's token hash
+    /// (a peer that does not authenticate is refused before it learns anything, the session's
+    /// generation included), then the framed protocol inside the channel.
     ///
     /// # Cancellation
     /// Dropping the future closes the connection; the agent and its buffered output are kept.
@@ -312,6 +316,15 @@ impl Relay {
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
         conn::serve(Arc::clone(&self.inner), stream).await;
+    }
+
+    /// Serves a connection whose channel an AgentCore front already opened (and whose hello it
+    /// read, to route it).
+    pub(crate) async fn serve_authenticated<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        conn::serve_authenticated(Arc::clone(&self.inner), stream).await;
     }
 
     /// Accepts framed-protocol connections on `listener` until the relay finishes.
@@ -451,6 +464,32 @@ impl Relay {
     }
 }
 
+/// How far ahead of the relay's clock a hello's epoch may lie (clock skew between the broker's
+/// host and the worker's).
+///
+/// A broker's epoch is its start time in Unix milliseconds (or a lease's transition count, far
+/// below any clock), so an honest epoch is never in the future by more than the skew between two
+/// clocks. The relay refuses anything further ahead with `epoch-ahead`: see the crate's "Epochs"
+/// for why this, and not more, is what bounds a token holder.
+pub const EPOCH_LEEWAY: Duration = Duration::from_secs(60);
+
+/// Refuses an epoch further ahead of this host's clock than [`EPOCH_LEEWAY`].
+pub(crate) fn check_epoch_not_ahead(epoch: u64) -> Result<(), Refusal> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let ceiling = now.saturating_add(u64::try_from(EPOCH_LEEWAY.as_millis()).unwrap_or(u64::MAX));
+    if epoch > ceiling {
+        return Err((
+            ErrorCode::EpochAhead,
+            format!(
+                "epoch {epoch} lies ahead of this relay's clock ({now} ms) by more than {EPOCH_LEEWAY:?}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -546,6 +585,11 @@ impl Inner {
     /// previous one is superseded), starting the agent if this is the first.
     pub(crate) fn accept_hello(self: &Arc<Self>, hello: &Hello) -> Result<Accepted, Refusal> {
         let config = &self.config;
+        // The token first: a hello without it learns nothing about this relay, not even its
+        // generation.
+        if !config.token_hash.verify(&hello.token) {
+            return Err((ErrorCode::BadToken, "the token does not match".into()));
+        }
         if hello.session != config.session {
             return Err((
                 ErrorCode::SessionMismatch,
@@ -561,9 +605,7 @@ impl Inner {
                 ),
             ));
         }
-        if !config.token_hash.verify(&hello.token) {
-            return Err((ErrorCode::BadToken, "the token does not match".into()));
-        }
+        check_epoch_not_ahead(hello.epoch)?;
         let mut state = self.state.lock();
         if let Some((epoch, nonce)) = state.hello {
             if hello.epoch < epoch {

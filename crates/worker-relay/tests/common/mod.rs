@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use session_runtime::{Attachment, Fence, FenceTrigger, SessionId, SessionIdentity};
 use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+use worker_relay::channel::{self, ChannelKey, SecureStream};
 use worker_relay::{BrokerKey, ClientConfig, Connector, RelayClient, TcpConnector};
 
 pub mod proxy;
@@ -118,6 +120,8 @@ pub struct RelayOptions {
     pub token_hash: Option<String>,
     /// AgentCore mode (`--agentcore`): HTTP only, the session comes from each request's header.
     pub agentcore: bool,
+    /// No `--listen` and no `--http`: the relay's default listener (port 7780).
+    pub default_listener: bool,
 }
 
 impl Default for RelayOptions {
@@ -130,6 +134,7 @@ impl Default for RelayOptions {
             workdir: None,
             token_hash: None,
             agentcore: false,
+            default_listener: false,
         }
     }
 }
@@ -150,7 +155,7 @@ impl RelayProcess {
         command.arg("serve");
         if options.agentcore {
             command.args(["--http", "127.0.0.1:0", "--agentcore"]);
-        } else {
+        } else if !options.default_listener {
             if options.tcp {
                 command.args(["--listen", "127.0.0.1:0"]);
             }
@@ -186,7 +191,7 @@ impl RelayProcess {
         let mut lines = BufReader::new(stdout).lines();
         let mut tcp = None;
         let mut http = None;
-        let wanted = if options.agentcore {
+        let wanted = if options.agentcore || options.default_listener {
             1
         } else {
             usize::from(options.tcp) + usize::from(options.http)
@@ -215,6 +220,25 @@ impl RelayProcess {
             tcp,
             http,
         }
+    }
+
+    /// The channel key a broker of `key()` uses for this relay.
+    pub fn channel_key(&self) -> ChannelKey {
+        ChannelKey::for_token(
+            self.session.as_str(),
+            &key().token(self.session.as_str(), self.generation),
+        )
+    }
+
+    /// A TCP connection with the channel open, as a broker's (for raw frames).
+    pub async fn open_channel(&self) -> SecureStream<TcpStream> {
+        let stream = TcpStream::connect(self.tcp.expect("tcp listener"))
+            .await
+            .expect("connect");
+        tokio::time::timeout(PATIENCE, channel::initiate(stream, &self.channel_key()))
+            .await
+            .expect("handshake in time")
+            .expect("the channel opens")
     }
 
     /// A connector to the TCP listener.

@@ -11,7 +11,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use worker_relay::protocol::HEADER_LEN;
 use worker_relay::{Connector, TcpConnector};
 
 /// What the proxy did.
@@ -155,7 +154,12 @@ async fn pump(
     }
 }
 
-/// Tracks where frame boundaries fall in a byte stream.
+/// The length prefix of the channel's handshake messages and records (`u16be`).
+const RECORD_HEADER_LEN: usize = 2;
+
+/// Tracks where the channel's record boundaries fall in a byte stream (the handshake messages
+/// have the same `u16be len | bytes` shape): a cut inside a record is a cut inside the frames
+/// it carries.
 #[derive(Default)]
 struct FrameBoundaries {
     header: Vec<u8>,
@@ -171,12 +175,12 @@ impl FrameBoundaries {
                 bytes = &bytes[n..];
                 continue;
             }
-            let n = (HEADER_LEN - self.header.len()).min(bytes.len());
+            let n = (RECORD_HEADER_LEN - self.header.len()).min(bytes.len());
             self.header.extend_from_slice(&bytes[..n]);
             bytes = &bytes[n..];
-            if self.header.len() == HEADER_LEN {
+            if self.header.len() == RECORD_HEADER_LEN {
                 let h = &self.header;
-                self.payload_left = u32::from_be_bytes([h[2], h[3], h[4], h[5]]) as usize;
+                self.payload_left = usize::from(u16::from_be_bytes([h[0], h[1]]));
                 self.header.clear();
             }
         }
