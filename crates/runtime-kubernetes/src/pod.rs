@@ -165,7 +165,8 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         RELAY_BINARY.to_owned(),
         "serve".to_owned(),
         "--listen".to_owned(),
-        format!("0.0.0.0:{port}"),
+        // Dual-stack: the broker dials whichever address the Pod reports, IPv4 or IPv6.
+        format!("[::]:{port}"),
         "--workdir".to_owned(),
         profile.mount_path.clone(),
         "--term-grace".to_owned(),
@@ -449,6 +450,11 @@ mod tests {
             "the session incarnation's own identity, shared with no other session"
         );
         assert_eq!(spec.enable_service_links, Some(false));
+        let command = spec.containers[0].command.clone().unwrap_or_default();
+        assert!(
+            command.windows(2).any(|pair| pair == ["--listen", "[::]:7780"]),
+            "the relay listens dual-stack: {command:?}"
+        );
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         for container in spec
             .containers

@@ -13,12 +13,26 @@ use tokio::net::{TcpListener, TcpSocket};
 /// The backlog of every listener.
 const BACKLOG: u32 = 1024;
 
-/// Listens on `addr`. The IPv6 wildcard (`[::]`) accepts IPv4 as well (`IPV6_V6ONLY` off); any
-/// other address listens only on itself.
+/// Listens on `addr`. The IPv6 wildcard (`[::]`) accepts IPv4 as well (`IPV6_V6ONLY` off), and
+/// on a host without IPv6 (the kernel refuses IPv6 sockets or the wildcard) falls back to every
+/// IPv4 address; any other address listens only on itself.
 ///
 /// # Errors
 /// Creating, configuring or binding the socket failed (e.g. the address is in use).
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    match addr {
+        SocketAddr::V6(v6) if v6.ip().is_unspecified() => match bind_exactly(addr) {
+            Err(error) if no_ipv6(&error) => {
+                tracing::info!(%error, "no IPv6 on this host: listening on IPv4 only");
+                bind_exactly(SocketAddr::from((Ipv4Addr::UNSPECIFIED, v6.port())))
+            }
+            other => other,
+        },
+        _ => bind_exactly(addr),
+    }
+}
+
+fn bind_exactly(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = match addr {
         SocketAddr::V4(_) => TcpSocket::new_v4()?,
         SocketAddr::V6(v6) => {
@@ -34,19 +48,12 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     socket.listen(BACKLOG)
 }
 
-/// Listens on `port` of every address, IPv6 and IPv4 ([`bind`] of `[::]:port`), or of every IPv4
-/// address when the host has no IPv6 (the kernel refuses IPv6 sockets or the wildcard).
+/// Listens on `port` of every address, IPv6 and IPv4 ([`bind`] of `[::]:port`).
 ///
 /// # Errors
 /// As [`bind`].
 pub fn bind_any(port: u16) -> io::Result<TcpListener> {
-    match bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))) {
-        Err(error) if no_ipv6(&error) => {
-            tracing::info!(%error, "no IPv6 on this host: listening on IPv4 only");
-            bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))
-        }
-        other => other,
-    }
+    bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
 }
 
 fn no_ipv6(error: &io::Error) -> bool {
