@@ -97,7 +97,16 @@ fn assert_cleaned_up(report: &IsolationReport) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detects_every_kind_of_leak_on_a_runtime_that_isolates_nothing() {
     let (fake, runtime) = fake();
-    let report = isolation_suite::run(runtime, &SuiteOptions::new(INSTALLATION))
+    // The fake keeps its sessions under the temporary directory, on the host's root file system,
+    // whose whole scan may outlast the scan timeout on a machine full of build caches: name the
+    // storage root, as `verify` names the local runtime's, so the scan that must find A's
+    // files is one that completes.
+    let options = SuiteOptions::new(INSTALLATION).with_extra_scan_path(
+        std::env::temp_dir()
+            .to_str()
+            .expect("a UTF-8 temporary directory"),
+    );
+    let report = isolation_suite::run(runtime, &options)
         .await
         .expect("the suite runs to a report");
     println!("{report}");
