@@ -293,11 +293,12 @@ impl LocalRuntimeBuilder {
             );
         }
         if let Some(shared) = sandbox.shared_network() {
-            tracing::warn!("{shared}");
+            tracing::warn!(root = %root.display(), "{shared}");
         } else if self.local.network.is_none() && sandbox.network() == NetworkMode::None {
             // The default changed in 0.3 (it was `host`): an agent that reached its model before
             // and cannot now finds the reason and the fix here.
             tracing::info!(
+                root = %root.display(),
                 "network unset: each session has a network namespace of its own, loopback only (the \
                  default since 0.3, which was \"host\"); list what agents must reach in egress, e.g. \
                  egress = [\"api.openai.com:443\"], or set network = \"host\" to share the host's with \

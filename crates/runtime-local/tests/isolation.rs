@@ -23,6 +23,7 @@ use isolation_suite::{
 };
 use runtime_local::LocalRuntime;
 use session_runtime::config::{ReadonlyMount, SandboxMode};
+use session_runtime::testing::CapturedLogs;
 use session_runtime::{Error, IsolationLevel, SessionRuntime, SessionState};
 
 const INSTALLATION: &str = "isolation";
@@ -274,22 +275,16 @@ async fn bubblewrap_with_the_host_network_shares_loopback_and_says_so() {
     let root = tempfile::tempdir().expect("root");
     let builder = common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap)
         .network(session_runtime::config::NetworkMode::Host);
-    // The choice is said at startup: what the sessions share.
-    let log = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer({
-            let log = log.clone();
-            move || log.clone()
-        })
-        .with_ansi(false)
-        .finish();
-    let built = tracing::subscriber::with_default(subscriber, || {
-        common::build_if_supported(builder, SandboxMode::Bubblewrap)
-    });
-    let Some(runtime) = built else {
+    // The choice is said at startup: what the sessions share. (One capture for the whole test
+    // binary, read by this runtime's root: a subscriber scoped to this thread missed the line
+    // now and then while other tests ran.)
+    CapturedLogs::global();
+    let Some(runtime) = common::build_if_supported(builder, SandboxMode::Bubblewrap) else {
         return;
     };
-    let startup = log.text();
+    let startup = CapturedLogs::global()
+        .lines_with(&root.path().display().to_string())
+        .join("\n");
     assert!(
         startup.contains("WARN") && startup.contains("sessions share the host's network namespace"),
         "{startup}"
@@ -343,24 +338,17 @@ async fn bubblewrap_with_an_allowlist_shares_no_network() {
 #[test]
 fn the_default_network_says_how_to_reach_a_model() {
     let root = tempfile::tempdir().expect("root");
-    let log = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer({
-            let log = log.clone();
-            move || log.clone()
-        })
-        .with_ansi(false)
-        .finish();
-    let built = tracing::subscriber::with_default(subscriber, || {
-        common::build_if_supported(
-            common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap),
-            SandboxMode::Bubblewrap,
-        )
-    });
+    CapturedLogs::global();
+    let built = common::build_if_supported(
+        common::builder(root.path(), INSTALLATION, SandboxMode::Bubblewrap),
+        SandboxMode::Bubblewrap,
+    );
     if built.is_none() {
         return;
     }
-    let startup = log.text();
+    let startup = CapturedLogs::global()
+        .lines_with(&root.path().display().to_string())
+        .join("\n");
     assert!(
         startup.contains("network namespace of its own") && startup.contains("egress = ["),
         "{startup}"
@@ -369,26 +357,6 @@ fn the_default_network_says_how_to_reach_a_model() {
         !startup.contains("share the host's network namespace"),
         "{startup}"
     );
-}
-
-/// Log lines, captured.
-#[derive(Clone, Default)]
-struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log lock").extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("log lock")).into_owned()
-    }
 }
 
 /// Whether this kernel enforces Landlock's scopes (ABI 6): a ruleset with them can be created.
