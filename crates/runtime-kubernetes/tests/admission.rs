@@ -97,6 +97,29 @@ fn refused_by<T: std::fmt::Debug>(policy: &str, what: &str, result: Result<T, te
     }
 }
 
+/// A claim the administrator made (no labels: not the runtime's), and the admin's claims API.
+async fn administrators_claim(cluster: &TestCluster) -> (Api<PersistentVolumeClaim>, String) {
+    let name = unique_name("oab-d-admin");
+    let admin_claims: Api<PersistentVolumeClaim> =
+        Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "openab-test-local",
+            "resources": {"requests": {"storage": "1Gi"}}
+        }
+    }))
+    .expect("a claim");
+    admin_claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("the administrator's claim");
+    (admin_claims, name)
+}
+
 /// Creates `pod` as a dry run with the broker's client.
 async fn create_pod(pods: &Api<Pod>, pod: serde_json::Value) -> Result<Pod, test_cluster::kube::Error> {
     let pod: Pod = serde_json::from_value(pod).expect("a Pod");
@@ -356,23 +379,7 @@ async fn broker_writes(cluster: TestCluster, session: String) {
 async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
-    let name = unique_name("oab-d-admin");
-    let admin_claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "openab-test-local",
-            "resources": {"requests": {"storage": "1Gi"}}
-        }
-    }))
-    .expect("a claim");
-    admin_claims
-        .create(&PostParams::default(), &claim)
-        .await
-        .expect("the administrator's claim");
+    let (admin_claims, name) = administrators_claim(&cluster).await;
     let lease_name = unique_name("oab-s-admin");
     let admin_leases: Api<Lease> = Api::namespaced(cluster.admin(), namespace);
     let lease: Lease = serde_json::from_value(json!({
@@ -564,23 +571,7 @@ async fn the_controller_creates_no_worker_never_execs_and_is_bounded_like_the_br
         Ok(_) => panic!("the controller must never exec"),
     }
     // What its Role allows it, the policy still bounds: an administrator's claim stays.
-    let name = unique_name("oab-d-admin");
-    let admin_claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
-    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "openab-test-local",
-            "resources": {"requests": {"storage": "1Gi"}}
-        }
-    }))
-    .expect("a claim");
-    admin_claims
-        .create(&PostParams::default(), &claim)
-        .await
-        .expect("the administrator's claim");
+    let (admin_claims, name) = administrators_claim(&cluster).await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(controller, namespace);
     let deleted = claims
         .delete(

@@ -52,20 +52,7 @@ pub(super) fn find_working(explicit: Option<&Path>) -> Result<PathBuf, String> {
                 .to_owned(),
         );
     }
-    let helper = locate(explicit)?;
-    if !host::is_executable(&helper) {
-        return Err(format!(
-            "the landlock helper {} is not an executable file",
-            helper.display()
-        ));
-    }
-    let probes = PROBES.get_or_init(Mutex::default);
-    if let Some(result) = probes.lock().get(&helper) {
-        return result.clone().map(|()| helper);
-    }
-    let result = host::probe(&helper, ["--probe"]);
-    probes.lock().insert(helper.clone(), result.clone());
-    result.map(|()| helper)
+    located_and_probed(explicit, &PROBES, &["--probe"])
 }
 
 /// Results of probes of the helper's `--scopes-only` mode, per path: run once per process.
@@ -86,6 +73,16 @@ pub(super) fn find_scoping(explicit: Option<&Path>) -> Result<PathBuf, String> {
                 .to_owned(),
         );
     }
+    located_and_probed(explicit, &SCOPE_PROBES, &["--scopes-only", "--", "true"])
+}
+
+/// The helper (`explicit`, else as [`host::locate_helper`] finds it), if it is an executable
+/// file and `probe_args` run by it succeed; each path is probed once per process (`probes`).
+fn located_and_probed(
+    explicit: Option<&Path>,
+    probes: &OnceLock<Mutex<HashMap<PathBuf, Result<(), String>>>>,
+    probe_args: &[&str],
+) -> Result<PathBuf, String> {
     let helper = locate(explicit)?;
     if !host::is_executable(&helper) {
         return Err(format!(
@@ -93,11 +90,11 @@ pub(super) fn find_scoping(explicit: Option<&Path>) -> Result<PathBuf, String> {
             helper.display()
         ));
     }
-    let probes = SCOPE_PROBES.get_or_init(Mutex::default);
+    let probes = probes.get_or_init(Mutex::default);
     if let Some(result) = probes.lock().get(&helper) {
         return result.clone().map(|()| helper);
     }
-    let result = host::probe(&helper, ["--scopes-only", "--", "true"]);
+    let result = host::probe(&helper, probe_args.iter().copied());
     probes.lock().insert(helper.clone(), result.clone());
     result.map(|()| helper)
 }

@@ -305,6 +305,25 @@ mod tests {
         }
     }
 
+    /// Passes the two handshake messages between the broker's end (`far`) and the relay's
+    /// (`tap_near`) untouched; returns `far`'s halves for what follows.
+    async fn forward_handshake(
+        far: tokio::io::DuplexStream,
+        tap_near: &mut tokio::io::DuplexStream,
+    ) -> (
+        tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    ) {
+        let (mut far_read, mut far_write) = tokio::io::split(far);
+        let mut first = [0u8; 50];
+        far_read.read_exact(&mut first).await.expect("message 1");
+        tap_near.write_all(&first).await.expect("forward 1");
+        let mut second = [0u8; 50];
+        tap_near.read_exact(&mut second).await.expect("message 2");
+        far_write.write_all(&second).await.expect("forward 2");
+        (far_read, far_write)
+    }
+
     #[tokio::test]
     async fn a_flipped_bit_breaks_the_stream() {
         let key = ChannelKey::derive("s", &TokenHash::from_bytes([3; 32]));
@@ -314,13 +333,7 @@ mod tests {
         let relay = tokio::spawn(async move { respond(tap_far, &relay_key).await });
         // Forward the handshake untouched, then flip one bit of the first record.
         let forward = tokio::spawn(async move {
-            let (mut far_read, mut far_write) = tokio::io::split(far);
-            let mut first = [0u8; 50];
-            far_read.read_exact(&mut first).await.expect("message 1");
-            tap_near.write_all(&first).await.expect("forward 1");
-            let mut second = [0u8; 50];
-            tap_near.read_exact(&mut second).await.expect("message 2");
-            far_write.write_all(&second).await.expect("forward 2");
+            let (mut far_read, _far_write) = forward_handshake(far, &mut tap_near).await;
             let mut record = [0u8; 2 + 5 + TAG_LEN];
             far_read.read_exact(&mut record).await.expect("record");
             record[4] ^= 1;
@@ -353,13 +366,7 @@ mod tests {
         let relay_key = key.clone();
         let relay = tokio::spawn(async move { respond(tap_far, &relay_key).await });
         let forward = tokio::spawn(async move {
-            let (mut far_read, mut far_write) = tokio::io::split(far);
-            let mut first = [0u8; 50];
-            far_read.read_exact(&mut first).await.expect("message 1");
-            tap_near.write_all(&first).await.expect("forward 1");
-            let mut second = [0u8; 50];
-            tap_near.read_exact(&mut second).await.expect("message 2");
-            far_write.write_all(&second).await.expect("forward 2");
+            let (mut far_read, _far_write) = forward_handshake(far, &mut tap_near).await;
             let mut record = [0u8; 2 + 5 + TAG_LEN];
             far_read.read_exact(&mut record).await.expect("record");
             tap_near.write_all(&record[..10]).await.expect("half a record");
