@@ -901,7 +901,31 @@ impl KubernetesRuntime {
             })
             .await?;
         self.retire_previous(id, generation, Duration::ZERO).await;
-        let pod = self.start_worker(id, &anchor, &record, &profile).await?;
+        match self.start_and_open(id, &anchor, &record, &profile).await {
+            Ok(attachment) => Ok(attachment),
+            Err(error @ Error::Fenced { .. }) => Err(error),
+            // A broker that attached after this one deletes this generation's Pod, and what
+            // this attach then sees (a container killed, a Pod gone, a relay that stopped
+            // answering) is that broker's doing: the newer generation says so.
+            Err(error) => match self.load_existing(id).await {
+                Ok((_, latest)) if latest.generation > generation => {
+                    Err(fenced(id, generation, latest.generation))
+                }
+                _ => Err(error),
+            },
+        }
+    }
+
+    /// Starts the worker of the generation `record` holds and connects to it.
+    async fn start_and_open(
+        &self,
+        id: &SessionId,
+        anchor: &Lease,
+        record: &SessionRecord,
+        profile: &WorkerProfile,
+    ) -> Result<Attachment> {
+        let generation = record.generation;
+        let pod = self.start_worker(id, anchor, record, profile).await?;
         // Another broker may have taken a newer generation, or suspended or closed the session,
         // while this one started: then this worker must not serve.
         let (_, latest) = self.load_existing(id).await?;
@@ -916,7 +940,7 @@ impl KubernetesRuntime {
                 operation: "attach",
             });
         }
-        let attachment = self.open(id, &pod, generation, &profile).await?;
+        let attachment = self.open(id, &pod, generation, profile).await?;
         if !latest.prepared && latest.volume.claim().is_some() {
             self.record_prepared(id, generation).await;
         }
