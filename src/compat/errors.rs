@@ -177,7 +177,7 @@ impl std::fmt::Display for UserErrorKind {
 /// | error | category |
 /// |---|---|
 /// | [`Error::WorkerFailed`] with [`WorkerFailure::StartTimeout`] | [`UserErrorKind::RequestTimeout`] |
-/// | [`Error::WorkerFailed`] with [`WorkerFailure::Exited`], [`OutOfMemory`](WorkerFailure::OutOfMemory) or [`Evicted`](WorkerFailure::Evicted); [`Error::Disconnected`], [`Error::Fenced`], [`Error::NotFound`] | [`UserErrorKind::ConnectionLost`] |
+/// | [`Error::WorkerFailed`] with [`WorkerFailure::Exited`], [`OutOfMemory`](WorkerFailure::OutOfMemory) or [`Evicted`](WorkerFailure::Evicted); [`Error::Disconnected`], [`Error::Fenced`], [`Error::NotFound`], [`Error::StorageLost`] | [`UserErrorKind::ConnectionLost`] |
 /// | [`Error::WorkerFailed`] with [`WorkerFailure::Spawn`] or [`ImagePull`](WorkerFailure::ImagePull); [`Error::InvalidConfig`] | [`UserErrorKind::AgentNotFound`] |
 /// | [`Error::WorkerFailed`] with [`WorkerFailure::Unschedulable`]; [`Error::StorageInUse`]; a [`retryable`](Error::retryable) [`Error::Backend`] | [`UserErrorKind::ServiceBusy`] |
 /// | every other error | [`UserErrorKind::Other`] |
@@ -207,6 +207,7 @@ pub fn user_error_kind(error: &Error) -> UserErrorKind {
             UserErrorKind::ConnectionLost
         }
         Error::InvalidConfig { .. } => UserErrorKind::AgentNotFound,
+        Error::StorageLost { .. } => UserErrorKind::ConnectionLost,
         Error::StorageInUse { .. } => UserErrorKind::ServiceBusy,
         Error::Backend { retryable: true, .. } => UserErrorKind::ServiceBusy,
         _ => UserErrorKind::Other,

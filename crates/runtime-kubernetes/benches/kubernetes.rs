@@ -9,6 +9,10 @@
 //!    resume (attach after suspend) of the same session, whose worker needs no init container.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
+//! 4. On the real node: 30 sessions at once (`OAB_BENCH_CONCURRENT` changes the number), each a
+//!    volume of its own: create, attach and the first ACP reply of all at once; suspend half and
+//!    resume them at once; close all. First-reply p50 and p95 (next to the single session's of
+//!    part 2), API requests per session, and what is left afterwards.
 //!
 //! Without a cluster it says so and exits 0: a benchmark is run by hand, never a gate.
 
@@ -96,6 +100,13 @@ async fn run() {
     requests_per_lifecycle(&runtime, &faults, &installation).await;
     attach_against_a_bare_pod(&cluster, &build(&with_volume), &installation).await;
     reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
+    sessions_at_once(
+        &cluster,
+        std::sync::Arc::new(build(&with_volume)),
+        &faults,
+        &installation,
+    )
+    .await;
     for name in [&installation, &with_volume] {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
@@ -349,4 +360,103 @@ async fn reconcile_over_many_anchors(
             &ListParams::default().labels(&format!("openab.dev/installation={installation}")),
         )
         .await;
+}
+
+fn percentile(samples: &mut [Duration], fraction: f64) -> Duration {
+    samples.sort();
+    let index = ((samples.len() as f64 * fraction).ceil() as usize).clamp(1, samples.len()) - 1;
+    samples[index]
+}
+
+/// Attaches every session of `ids` at once and waits for each one's first ACP reply; how long
+/// each took.
+async fn attach_all(
+    runtime: &std::sync::Arc<KubernetesRuntime>,
+    ids: &[session_runtime::SessionId],
+) -> Vec<Duration> {
+    let mut tasks = Vec::new();
+    for id in ids {
+        let (runtime, id) = (std::sync::Arc::clone(runtime), *id);
+        tasks.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+            client.initialize().await.expect("the first ACP reply");
+            started.elapsed()
+        }));
+    }
+    let mut times = Vec::new();
+    for task in tasks {
+        times.push(task.await.expect("an attach task"));
+    }
+    times
+}
+
+async fn sessions_at_once(
+    cluster: &TestCluster,
+    runtime: std::sync::Arc<KubernetesRuntime>,
+    faults: &Faults,
+    installation: &str,
+) {
+    let count: usize = std::env::var("OAB_BENCH_CONCURRENT")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(30);
+    faults.clear_requests();
+    let mut ids = Vec::new();
+    for n in 0..count {
+        let identity =
+            SessionIdentity::new(installation, "agent", "bench", format!("at-once-{n}")).expect("identity");
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        ids.push(identity.id());
+    }
+    let mut first = attach_all(&runtime, &ids).await;
+    let half = &ids[..count / 2];
+    for id in half {
+        runtime.suspend(id, SuspendReason::Idle).await.expect("suspend");
+    }
+    let mut resumed = attach_all(&runtime, half).await;
+    for id in &ids {
+        runtime.close(id, CloseReason::Reset).await.expect("close");
+    }
+    let requests = faults.requests().len();
+    let selector = format!("app.kubernetes.io/managed-by=openab,openab.dev/installation={installation}");
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let claims: Api<test_cluster::k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let pods_left = pods
+        .list(&ListParams::default().labels(&format!("{selector},openab.dev/role=worker")))
+        .await
+        .map_or(0, |l| {
+            l.items
+                .iter()
+                .filter(|p| p.metadata.deletion_timestamp.is_none())
+                .count()
+        });
+    let claims_left = claims
+        .list(&ListParams::default().labels(&format!("{selector},openab.dev/role=storage")))
+        .await
+        .map_or(0, |l| {
+            l.items
+                .iter()
+                .filter(|c| c.metadata.deletion_timestamp.is_none())
+                .count()
+        });
+    println!("{count} sessions at once (a volume each): create, attach + first ACP reply of all at once, suspend {}, resume them at once, close all:", half.len());
+    println!(
+        "  first reply   p50 {:>9.1?}  p95 {:>9.1?}",
+        percentile(&mut first, 0.5),
+        percentile(&mut first, 0.95)
+    );
+    println!(
+        "  resume reply  p50 {:>9.1?}  p95 {:>9.1?}",
+        percentile(&mut resumed, 0.5),
+        percentile(&mut resumed, 0.95)
+    );
+    println!(
+        "  API requests per session: {:.1}; left afterwards: {pods_left} worker Pods, {claims_left} claims",
+        requests as f64 / count as f64
+    );
 }

@@ -21,6 +21,7 @@
 //! # let _ = runtime; Ok(()) }
 //! ```
 
+mod abandon;
 mod api;
 mod clone_source;
 pub mod controller;
@@ -36,6 +37,7 @@ mod record;
 mod runtime;
 mod seed;
 mod start;
+mod storage_loss;
 #[cfg(feature = "testing")]
 mod testing;
 mod workload_identity;

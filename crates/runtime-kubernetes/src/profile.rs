@@ -21,6 +21,7 @@
 //! idle_ttl = "30m"                            # default: the broker's idle_ttl
 //! max_lifetime = "8h"                         # default: no limit
 //! termination_grace = "10s"                   # default "10s"
+//! unschedulable_timeout = "2m"                # default: the broker's start_timeout
 //!
 //! [resources]                                 # every key optional
 //! cpu_request = "250m"
@@ -138,6 +139,10 @@ pub struct WorkerProfile {
     /// How long the worker has to exit after SIGTERM before it is killed. Whole seconds, since
     /// that is what Kubernetes counts. Default [`WorkerProfile::DEFAULT_TERMINATION_GRACE`].
     pub termination_grace: Duration,
+    /// How long an attach waits for a worker the scheduler cannot place (no node has room: an
+    /// autoscaler may be adding one) before it fails `Unschedulable` and removes the Pod. `None`
+    /// (key absent): the broker's `start_timeout`, which also bounds it.
+    pub unschedulable_timeout: Option<Duration>,
 }
 
 impl WorkerProfile {
@@ -392,6 +397,12 @@ impl WorkerProfile {
                 Some(self.termination_grace),
                 "\"10s\"",
                 config::LocalConfig::MAX_TERMINATE_GRACE,
+            ),
+            (
+                "unschedulable_timeout",
+                self.unschedulable_timeout,
+                "\"2m\"",
+                config::KubernetesConfig::MAX_START_TIMEOUT,
             ),
         ] {
             if value.is_some_and(|d| d.is_zero()) && key != "termination_grace" {
@@ -918,6 +929,8 @@ struct Document {
     retention: Option<RetentionOverrides>,
     #[serde(with = "serde_duration")]
     termination_grace: Duration,
+    #[serde(with = "serde_duration::option")]
+    unschedulable_timeout: Option<Duration>,
 }
 
 impl Default for Document {
@@ -942,6 +955,7 @@ impl Default for Document {
             max_lifetime: None,
             retention: None,
             termination_grace: WorkerProfile::DEFAULT_TERMINATION_GRACE,
+            unschedulable_timeout: None,
         }
     }
 }
@@ -971,6 +985,7 @@ impl Document {
             max_lifetime: self.max_lifetime,
             retention: self.retention,
             termination_grace: self.termination_grace,
+            unschedulable_timeout: self.unschedulable_timeout,
         }
     }
 }
@@ -1180,6 +1195,7 @@ mod tests {
             idle_ttl = "45m"
             max_lifetime = "8h"
             termination_grace = "30s"
+            unschedulable_timeout = "5m"
 
             [resources]
             cpu_request = "250m"
@@ -1282,6 +1298,7 @@ mod tests {
                 retain_for: Some(Duration::from_secs(7 * 86400)),
             }),
             termination_grace: Duration::from_secs(30),
+            unschedulable_timeout: Some(Duration::from_secs(300)),
         };
         assert_eq!(profile, expected);
         assert_eq!(profile.name(), NAME);

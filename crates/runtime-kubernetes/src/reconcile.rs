@@ -16,10 +16,11 @@ use kube::api::ListParams;
 use kube::ResourceExt;
 use session_runtime::{ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason};
 
+use crate::abandon::abandoned_before;
 use crate::api::{api_error, delete_if_unchanged};
-use crate::names;
 use crate::record::{now, CloseRecord, Phase, ReconcileNote, SessionRecord, Volume};
 use crate::runtime::{KubernetesRuntime, Swap, KILL_GRACE};
+use crate::{names, storage_loss};
 
 /// What one pass decides from, besides each anchor.
 pub(crate) struct Policy {
@@ -48,6 +49,8 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
         .iter()
         .filter_map(|pod| Some((names::session_of(&pod.metadata)?, pod)))
         .collect();
+    let claims_by_name: HashMap<String, &PersistentVolumeClaim> =
+        claims.iter().map(|claim| (claim.name_any(), claim)).collect();
     let mut named_claims = BTreeSet::new();
     let mut unreadable = BTreeSet::new();
     for (id, lease) in &anchors {
@@ -61,7 +64,21 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
             }
         };
         named_claims.extend(record.claims().map(str::to_owned));
+        if lease.metadata.deletion_timestamp.is_some() {
+            // A record being deleted is a session in transition: what it owns goes with it, and
+            // nothing is decided from it.
+            continue;
+        }
         let worker = by_session.get(id).copied();
+        let record = match storage(runtime, id, lease, record, &claims_by_name, &mut report).await {
+            Ok(Some(record)) => record,
+            // The record changed since the pass read it: the next pass decides.
+            Ok(None) => continue,
+            Err(error) => {
+                report.errors.push(format!("session {id}: {error}"));
+                continue;
+            }
+        };
         if let Err(error) = session(runtime, id, lease, record, worker, &policy, &mut report).await {
             report.errors.push(format!("session {id}: {error}"));
         }
@@ -134,6 +151,41 @@ pub(crate) async fn session(
             note(runtime, id, "finished an interrupted close".to_owned()).await;
             return Ok(());
         }
+        SessionState::Running
+            if abandoned_before(
+                &record,
+                runtime.start_timeout(),
+                runtime.housekeeping.orphan_grace,
+            ) =>
+        {
+            // An attach that failed or was dropped and could not undo itself (its broker was
+            // killed, or the API server did not answer): undone here, as it would have been.
+            let generation = record.generation;
+            let why = format!(
+                "the attach of generation {generation} did not finish (its broker failed or went away before its worker served)"
+            );
+            crate::abandon::undo(
+                runtime.leases().await?,
+                runtime.pods().await?,
+                id,
+                generation,
+                None,
+                &why,
+            )
+            .await?;
+            if let Some(pod) = worker {
+                report
+                    .killed_workers
+                    .push((*id, format!("pod/{}", pod.name_any())));
+            }
+            note(
+                runtime,
+                id,
+                format!("undid the abandoned attach of generation {generation}"),
+            )
+            .await;
+            return Ok(());
+        }
         SessionState::Running => {
             if let Some(pod) = worker {
                 if names::pod_generation(&pod.metadata) < Some(record.generation) {
@@ -160,7 +212,7 @@ pub(crate) async fn session(
         }
         _ => {
             if let Some(pod) = worker {
-                runtime
+                let _ = runtime
                     .retire_previous(id, record.generation + 1, Duration::ZERO)
                     .await;
                 runtime.delete_pod(pod, Some(KILL_GRACE)).await?;
@@ -181,6 +233,38 @@ pub(crate) async fn session(
         expire_record(runtime, id, anchor, &record, report).await?;
     }
     Ok(())
+}
+
+/// Checks the session's own claim against the pass's listing and records a loss found there
+/// (compare-and-swap on the anchor the pass read: a session changed since is left to the next
+/// pass, which returns `None`). Returns the record to decide from.
+async fn storage(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    anchor: &Lease,
+    record: SessionRecord,
+    claims: &HashMap<String, &PersistentVolumeClaim>,
+    report: &mut ReconcileReport,
+) -> Result<Option<SessionRecord>> {
+    let owned = matches!(record.volume, Volume::Owned { .. });
+    if !owned || record.phase == Phase::Provisioning || !storage_loss::expects_storage(&record) {
+        return Ok(Some(record));
+    }
+    let found = record.volume.claim().and_then(|claim| claims.get(claim)).copied();
+    let Some(lost) = storage_loss::loss(&record, found) else {
+        return Ok(Some(record));
+    };
+    let mut next = record.clone();
+    next.storage_lost = Some(lost.clone());
+    match runtime.swap(anchor, &next).await {
+        Ok(_) => {}
+        Err(Swap::Lost) => return Ok(None),
+        Err(Swap::Failed(error)) => return Err(error),
+    }
+    tracing::warn!(session = %id, claim = %lost.claim, "the session's storage is lost: {}", lost.describe());
+    report.lost_storage.push((*id, lost.describe()));
+    // Deciding from the record just written would be deciding from a stale anchor.
+    Ok(None)
 }
 
 /// The last sign of life: the anchor's `renewTime` (renewed by whichever broker holds a live
@@ -221,7 +305,7 @@ async fn suspend_idle(
         Err(Swap::Lost) => return Ok(false),
         Err(Swap::Failed(error)) => return Err(error),
     }
-    runtime
+    let _ = runtime
         .retire_previous(id, record.generation, Duration::ZERO)
         .await;
     // The Pod's own termination grace: the agent gets to stop as it would on any suspend.
@@ -241,7 +325,9 @@ async fn expire_storage(
     let expired = |until: Option<u64>| until.is_some_and(|until| until <= now);
     let own = match (&record.close, &record.volume) {
         (Some(close), Volume::Owned { claim, uid })
-            if close.retention == Retention::Retain && expired(close.retain_until) =>
+            if close.retention == Retention::Retain
+                && expired(close.retain_until)
+                && record.storage_lost.is_none() =>
         {
             Some((claim.clone(), uid.clone()))
         }

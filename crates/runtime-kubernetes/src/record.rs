@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use session_runtime::{
     CloseReason, Error, Generation, ReconcileAction, RetainedUntil, Retention, SessionId, SessionState,
-    SessionStatus, StorageState, SuspendReason, WorkerInfo,
+    SessionStatus, StartFailure, StorageState, SuspendReason, WorkerInfo,
 };
 
 use crate::{names, RUNTIME};
@@ -124,6 +124,33 @@ impl Loan {
     }
 }
 
+/// An attach that could not start or reach its worker, as `status` reports it. Cleared by the
+/// next worker that serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct FailedStart {
+    pub(crate) at: u64,
+    pub(crate) generation: Generation,
+    pub(crate) error: String,
+}
+
+/// The session's volume, found gone without this runtime (deleted, being deleted, or replaced by
+/// another claim of the same name). Permanent for the incarnation: a claim that reappears under
+/// the name holds none of the session's data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LostStorage {
+    pub(crate) claim: String,
+    /// When it was found, seconds since the epoch.
+    pub(crate) at: u64,
+    /// What was found, e.g. `deleted` or `being deleted`.
+    pub(crate) what: String,
+}
+
+impl LostStorage {
+    pub(crate) fn describe(&self) -> String {
+        format!("persistentvolumeclaim/{} {}", self.claim, self.what)
+    }
+}
+
 /// What the last reconcile pass did to the session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct ReconcileNote {
@@ -174,6 +201,10 @@ pub(crate) struct SessionRecord {
     /// `false` for a session provisioned before sessions had one, whose next worker makes it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) service_account: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) last_start_failure: Option<FailedStart>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) storage_lost: Option<LostStorage>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -215,6 +246,8 @@ impl SessionRecord {
             lent_to: None,
             prepared: false,
             service_account: false,
+            last_start_failure: None,
+            storage_lost: None,
         }
     }
 
@@ -250,7 +283,7 @@ impl SessionRecord {
         let mut next = SessionRecord::new(self.id, identity_digest, self.generation, self.incarnation + 1);
         next.retained = self.retained.clone();
         if let (Some(close), Volume::Owned { claim, uid }) = (&self.close, &self.volume) {
-            if close.retention == Retention::Retain {
+            if close.retention == Retention::Retain && self.storage_lost.is_none() {
                 next.retained.push(RetainedClaim {
                     claim: claim.clone(),
                     uid: uid.clone(),
@@ -292,6 +325,9 @@ impl SessionRecord {
     }
 
     pub(crate) fn storage(&self) -> StorageState {
+        if self.storage_lost.is_some() {
+            return StorageState::Lost;
+        }
         match self.close {
             Some(CloseRecord {
                 retention: Retention::Retain,
@@ -329,7 +365,10 @@ impl SessionRecord {
         status.storage_refs = self
             .volume
             .claim()
-            .map(|claim| format!("persistentvolumeclaim/{claim}"))
+            .map(|claim| match &self.storage_lost {
+                Some(lost) => format!("{} (lost)", lost.describe()),
+                None => format!("persistentvolumeclaim/{claim}"),
+            })
             .into_iter()
             .chain(
                 self.retained
@@ -341,6 +380,10 @@ impl SessionRecord {
             .last_reconcile
             .as_ref()
             .map(|note| ReconcileAction::new(instant(note.at), note.action.clone()));
+        status.last_start_failure = self
+            .last_start_failure
+            .as_ref()
+            .map(|failed| StartFailure::new(instant(failed.at), failed.generation, failed.error.clone()));
         status
     }
 }

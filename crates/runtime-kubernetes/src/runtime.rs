@@ -28,6 +28,7 @@ use session_runtime::{
 use worker_relay::transport::{Connector, TcpConnector};
 use worker_relay::{BrokerKey, ClientConfig, RelayClient};
 
+use crate::abandon::{AttachInFlight, Before, CONNECT_TIMEOUT};
 use crate::api::{api_error, is_status};
 use crate::pod::{worker_pod, WorkerSpec};
 use crate::profile::{Storage, WorkerProfile};
@@ -42,7 +43,7 @@ const POLL: Duration = Duration::from_millis(200);
 /// slow change, like a scheduler's reason, is seen).
 const WATCH_SLICE: Duration = Duration::from_secs(5);
 /// How many times a lost compare-and-swap is retried before the call gives up (retryable).
-const CAS_ATTEMPTS: usize = 8;
+pub(crate) const CAS_ATTEMPTS: usize = 8;
 /// The shortest Pod deletion grace: zero would remove the Pod object at once, before the kubelet
 /// has stopped its containers, so "gone" would no longer mean "stopped" and a new generation's
 /// agent could start on the volume beside the old one.
@@ -318,12 +319,51 @@ fn renew_every(idle_ttl: Option<Duration>) -> Duration {
     })
 }
 
+/// How [`KubernetesRuntime::retire_previous`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub(crate) enum Retired {
+    /// This process had no live attachment of the session.
+    NotHere,
+    /// The relay reported the agent's exit.
+    Stopped,
+    /// The relay did not answer in time.
+    Unanswered,
+}
+
 /// Why a compare-and-swap did not land.
 pub(crate) enum Swap {
     /// Someone else changed the anchor first; read it again.
     Lost,
     /// The call failed.
     Failed(Error),
+}
+
+/// Writes `record` over the anchor `lease`, only if the anchor is still the one read.
+pub(crate) async fn swap_anchor(
+    leases: &Api<Lease>,
+    lease: &Lease,
+    record: &SessionRecord,
+) -> std::result::Result<Lease, Swap> {
+    let mut next = lease.clone();
+    next.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(names::RECORD.to_owned(), record.to_annotation());
+    let spec = next.spec.get_or_insert_with(LeaseSpec::default);
+    spec.renew_time = Some(MicroTime(jiff_now()));
+    match leases
+        .replace(&lease.name_any(), &PostParams::default(), &next)
+        .await
+    {
+        Ok(written) => Ok(written),
+        // 404: the anchor was removed meanwhile (an expired closed record); a fresh read says so.
+        Err(error) if is_status(&error, 409) || is_status(&error, 404) => Err(Swap::Lost),
+        Err(error) => Err(Swap::Failed(api_error(
+            &format!("updating session {}", record.id),
+            error,
+        ))),
+    }
 }
 
 impl KubernetesRuntime {
@@ -379,19 +419,31 @@ impl KubernetesRuntime {
     /// Stops the agent of this process's live attachment through its relay (so that attachment
     /// learns how it ended) and fences it on behalf of `generation`. The Pod is deleted after
     /// this either way; the relay stop is what lets the old attachment report its exit.
-    pub(crate) async fn retire_previous(&self, id: &SessionId, generation: Generation, grace: Duration) {
+    ///
+    /// Returns [`Retired::Unanswered`] when the relay did not report the agent's exit within
+    /// `grace` and the relay's own stop time: a frozen worker, which is then not given its grace
+    /// a second time.
+    pub(crate) async fn retire_previous(
+        &self,
+        id: &SessionId,
+        generation: Generation,
+        grace: Duration,
+    ) -> Retired {
         let Some(live) = self.live.lock().remove(id) else {
-            return;
+            return Retired::NotHere;
         };
         let stopped = if grace.is_zero() {
             tokio::time::timeout(RELAY_STOP, live.control.kill()).await
         } else {
             tokio::time::timeout(grace + RELAY_STOP, live.control.terminate(grace)).await
         };
-        if !matches!(stopped, Ok(Ok(_))) {
-            tracing::debug!(session = %id, "the previous worker did not report its exit through the relay");
-        }
         live.fence.fence(generation);
+        if matches!(stopped, Ok(Ok(_))) {
+            Retired::Stopped
+        } else {
+            tracing::debug!(session = %id, "the previous worker did not report its exit through the relay");
+            Retired::Unanswered
+        }
     }
 
     /// The session's anchor and record, if it has one. An object under the anchor's name that is
@@ -410,6 +462,13 @@ impl KubernetesRuntime {
         if !names::belongs_to(&lease.metadata, id) {
             return Err(foreign(id, "anchor", &name));
         }
+        if lease.metadata.deletion_timestamp.is_some() {
+            // Being deleted (its objects go with it): neither the live session nor absent yet.
+            return Err(retry_later(
+                id,
+                "the session's record is being deleted; try again once it is gone",
+            ));
+        }
         let record = SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref())?;
         Ok(Some((lease, record)))
     }
@@ -424,28 +483,7 @@ impl KubernetesRuntime {
         lease: &Lease,
         record: &SessionRecord,
     ) -> std::result::Result<Lease, Swap> {
-        let mut next = lease.clone();
-        next.metadata
-            .annotations
-            .get_or_insert_with(Default::default)
-            .insert(names::RECORD.to_owned(), record.to_annotation());
-        let spec = next.spec.get_or_insert_with(LeaseSpec::default);
-        spec.renew_time = Some(MicroTime(jiff_now()));
-        match self
-            .leases()
-            .await
-            .map_err(Swap::Failed)?
-            .replace(&lease.name_any(), &PostParams::default(), &next)
-            .await
-        {
-            Ok(written) => Ok(written),
-            // 404: the anchor was removed meanwhile (an expired closed record); a fresh read says so.
-            Err(error) if is_status(&error, 409) || is_status(&error, 404) => Err(Swap::Lost),
-            Err(error) => Err(Swap::Failed(api_error(
-                &format!("updating session {}", record.id),
-                error,
-            ))),
-        }
+        swap_anchor(self.leases().await.map_err(Swap::Failed)?, lease, record).await
     }
 
     /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
@@ -735,14 +773,23 @@ impl KubernetesRuntime {
         );
         self.apply_egress(profile).await?;
         // One worker per session, ever: an older generation's Pod goes first; a newer one means
-        // this attach lost; our own (a retry) is adopted. Another broker may put an older Pod back
-        // between our delete and our create, so this repeats.
+        // this attach lost; our own (a retry) is adopted, but only if it is this anchor's and
+        // not on its way out: a record deleted and made again restarts its numbers, and the Pod
+        // of the old record's generation is not this one's. Another broker may put an older Pod
+        // back between our delete and our create, so this repeats.
         let mut adopted = false;
         for _ in 0..CAS_ATTEMPTS {
             if let Some(previous) = self.worker(id).await? {
+                let ours = previous.metadata.deletion_timestamp.is_none()
+                    && previous
+                        .owner_references()
+                        .iter()
+                        .any(|owner| owner.uid == anchor_uid);
                 match names::pod_generation(&previous.metadata) {
-                    Some(theirs) if theirs > generation => return Err(fenced(id, generation, theirs)),
-                    Some(theirs) if theirs == generation => {
+                    Some(theirs) if theirs > generation && ours => {
+                        return Err(fenced(id, generation, theirs))
+                    }
+                    Some(theirs) if theirs == generation && ours => {
                         adopted = true;
                         break;
                     }
@@ -788,7 +835,11 @@ impl KubernetesRuntime {
         if !adopted {
             return Err(retry_later(id, "worker Pods of other generations kept appearing"));
         }
-        let deadline = tokio::time::Instant::now() + self.start_timeout;
+        let began = tokio::time::Instant::now();
+        let deadline = began + self.start_timeout;
+        // The scheduler may be waiting for a node an autoscaler adds: the profile says how long
+        // that may take, within the start timeout.
+        let placement_deadline = began + profile.unschedulable_timeout.unwrap_or(self.start_timeout);
         let mut unschedulable: Option<String>;
         loop {
             let Some(pod) = self.worker(id).await? else {
@@ -811,13 +862,18 @@ impl KubernetesRuntime {
                 Progress::Starting => unschedulable = None,
             }
             let now = tokio::time::Instant::now();
-            if now >= deadline {
+            if now >= deadline || (unschedulable.is_some() && now >= placement_deadline) {
                 let cause = match unschedulable {
                     Some(why) => session_runtime::WorkerFailure::Unschedulable(why),
                     None => session_runtime::WorkerFailure::StartTimeout(self.start_timeout),
                 };
                 return Err(Error::WorkerFailed { id: *id, cause });
             }
+            let wait_until = if unschedulable.is_some() {
+                deadline.min(placement_deadline)
+            } else {
+                deadline
+            };
             // Until the Pod is ready, failed, gone or replaced.
             let started = move |pod: Option<&Pod>| {
                 pod.is_none_or(|pod| {
@@ -825,7 +881,8 @@ impl KubernetesRuntime {
                         || matches!(progress(pod), Progress::Ready | Progress::Failed(_))
                 })
             };
-            self.watch_worker(id, deadline - now, started).await;
+            self.watch_worker(id, wait_until.saturating_duration_since(now), started)
+                .await;
         }
     }
 
@@ -860,6 +917,11 @@ impl KubernetesRuntime {
                 "the session is still being provisioned; create it again",
             ));
         }
+        if current.state().can_attach() {
+            if let Some(lost) = self.find_storage_loss(id, &current).await? {
+                return Err(crate::storage_loss::lost_error(id, &lost));
+            }
+        }
         let profile = self.profile().await?;
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
         if reusable {
@@ -868,6 +930,7 @@ impl KubernetesRuntime {
             }
         }
         let mut generation = 0;
+        let mut before = None;
         let (anchor, record) = self
             .update(id, |record| {
                 let state = record.state();
@@ -884,6 +947,10 @@ impl KubernetesRuntime {
                         holder: format!("a copy of its storage into session {} is being taken", loan.to),
                     });
                 }
+                before = Some(Before {
+                    state,
+                    suspend_reason: record.suspend_reason,
+                });
                 let mut next = record.clone();
                 next.generation = record.generation + 1;
                 next.phase = Phase::Session(SessionState::Running);
@@ -900,20 +967,40 @@ impl KubernetesRuntime {
                 Ok(Some(next))
             })
             .await?;
-        self.retire_previous(id, generation, Duration::ZERO).await;
-        match self.start_and_open(id, &anchor, &record, &profile).await {
-            Ok(attachment) => Ok(attachment),
-            Err(error @ Error::Fenced { .. }) => Err(error),
+        // From here until a worker serves, a failure or a dropped call undoes the attach.
+        let in_flight = AttachInFlight::new(
+            self.leases().await?.clone(),
+            self.pods().await?.clone(),
+            *id,
+            generation,
+            before.unwrap_or(Before {
+                state: SessionState::Suspended,
+                suspend_reason: None,
+            }),
+        );
+        let _ = self.retire_previous(id, generation, Duration::ZERO).await;
+        let error = match self.start_and_open(id, &anchor, &record, &profile).await {
+            Ok(attachment) => {
+                in_flight.release();
+                return Ok(attachment);
+            }
+            Err(error @ Error::Fenced { .. }) => error,
             // A broker that attached after this one deletes this generation's Pod, and what
             // this attach then sees (a container killed, a Pod gone, a relay that stopped
             // answering) is that broker's doing: the newer generation says so.
             Err(error) => match self.load_existing(id).await {
                 Ok((_, latest)) if latest.generation > generation => {
-                    Err(fenced(id, generation, latest.generation))
+                    fenced(id, generation, latest.generation)
                 }
-                _ => Err(error),
+                _ => error,
             },
+        };
+        if matches!(error, Error::Fenced { .. }) {
+            in_flight.release();
+        } else {
+            in_flight.failed(&error).await;
         }
+        Err(error)
     }
 
     /// Starts the worker of the generation `record` holds and connects to it.
@@ -940,29 +1027,41 @@ impl KubernetesRuntime {
                 operation: "attach",
             });
         }
-        let attachment = self.open(id, &pod, generation, profile).await?;
-        if !latest.prepared && latest.volume.claim().is_some() {
-            self.record_prepared(id, generation).await;
-        }
+        let attachment = tokio::time::timeout(CONNECT_TIMEOUT, self.open(id, &pod, generation, profile))
+            .await
+            .map_err(|_| {
+                retry_later(
+                    id,
+                    &format!("the worker was ready but its relay did not answer within {CONNECT_TIMEOUT:?}"),
+                )
+            })??;
+        self.record_served(id, generation, &pod).await;
         Ok(attachment)
     }
 
-    /// Records that the claim's directories exist: the relay of `generation` answered, so its
-    /// `prepare` step ran. One write in a volume's life; a failure only costs the next worker
-    /// its init container again.
-    async fn record_prepared(&self, id: &SessionId, generation: Generation) {
+    /// Records that the worker of `generation` serves: its Pod's UID (which tells `reconcile`
+    /// this generation's attach finished), that the claim's directories exist (its relay
+    /// answered, so its `prepare` step ran), and no start failure. A failure to record only
+    /// costs the next worker its init container, or this one a `reconcile` that takes it for
+    /// abandoned once the start timeout has passed twice over; it is logged.
+    async fn record_served(&self, id: &SessionId, generation: Generation, pod: &Pod) {
         let recorded = self
             .update(id, |record| {
-                if record.prepared || record.generation != generation {
+                let Some(worker) = record.worker.as_ref().filter(|_| record.generation == generation) else {
                     return Ok(None);
-                }
+                };
                 let mut next = record.clone();
-                next.prepared = true;
-                Ok(Some(next))
+                next.prepared = record.volume.claim().is_some();
+                next.last_start_failure = None;
+                next.worker = Some(crate::record::WorkerRecord {
+                    pod_uid: pod.uid(),
+                    ..worker.clone()
+                });
+                Ok((next != *record).then_some(next))
             })
             .await;
         if let Err(error) = recorded {
-            tracing::debug!(session = %id, "recording the prepared volume failed: {error}");
+            tracing::warn!(session = %id, "recording the serving worker failed: {error}");
         }
     }
 
@@ -1127,8 +1226,11 @@ impl KubernetesRuntime {
                 .await
                 .map_or(Duration::from_secs(10), |p| p.termination_grace),
         };
-        self.retire_previous(id, record.generation, grace).await;
-        let pod_grace = (reason == SuspendReason::Hung).then_some(KILL_GRACE);
+        let retired = self.retire_previous(id, record.generation, grace).await;
+        // A worker that let its grace pass unanswered is not given it again: the bound of a
+        // suspend is one grace (plus the relay's stop time), not two.
+        let pod_grace =
+            (reason == SuspendReason::Hung || retired == Retired::Unanswered).then_some(KILL_GRACE);
         self.stop_worker(id, record.generation, pod_grace).await?;
         Ok(())
     }
@@ -1168,7 +1270,8 @@ impl KubernetesRuntime {
                 Ok(Some(next))
             })
             .await?;
-        self.retire_previous(id, record.generation + 1, Duration::ZERO)
+        let _ = self
+            .retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
         self.finish_close(id, record).await
     }
@@ -1181,11 +1284,13 @@ impl KubernetesRuntime {
         if close.storage_done {
             return Ok(());
         }
-        self.retire_previous(id, record.generation + 1, Duration::ZERO)
+        let _ = self
+            .retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
         self.stop_worker(id, record.generation, Some(KILL_GRACE)).await?;
         self.delete_service_account(id, record.incarnation).await?;
-        if close.retention == Retention::Delete {
+        // A lost volume is not looked for: a claim under its name now is not the session's.
+        if close.retention == Retention::Delete && record.storage_lost.is_none() {
             if let Volume::Owned { claim, uid } = &record.volume {
                 self.delete_claim(id, claim, uid.as_deref()).await?;
             }
@@ -1247,7 +1352,8 @@ impl KubernetesRuntime {
         let digest = data_encoding::HEXLOWER.encode(&identity.digest());
         for _ in 0..CAS_ATTEMPTS {
             let Some((lease, record)) = self.load(&id).await? else {
-                let mut record = SessionRecord::new(id, digest.clone(), 0, 1);
+                let (generation, incarnation) = self.surviving_numbers(&id).await?;
+                let mut record = SessionRecord::new(id, digest.clone(), generation, incarnation);
                 record.seed = seed.clone();
                 let mut anchor = Lease {
                     metadata: names::meta(names::anchor(&id), &self.installation, &id, "anchor"),
@@ -1300,6 +1406,48 @@ impl KubernetesRuntime {
             }
         }
         Err(retry_later(&id, "the session kept changing while it was created"))
+    }
+
+    /// The generation and incarnation a new record of `id` starts from: past every number that
+    /// objects of an earlier record (deleted, its objects perhaps still there or orphaned) carry,
+    /// so a worker Pod, claim or identity of that record is never taken for this one's.
+    ///
+    /// # Errors
+    /// [`Error::Backend`] if the API server could not be read.
+    async fn surviving_numbers(&self, id: &SessionId) -> Result<(Generation, u64)> {
+        let generation = self
+            .worker(id)
+            .await?
+            .and_then(|pod| names::pod_generation(&pod.metadata))
+            .unwrap_or(0);
+        let prefix = format!("{}-", names::storage(id, 0).trim_end_matches("-0"));
+        let claims = self
+            .claims()
+            .await?
+            .list(&kube::api::ListParams::default().labels(&format!("{}={id}", names::SESSION)))
+            .await
+            .map_err(|e| api_error(&format!("listing the claims of session {id}"), e))?;
+        let mut incarnation = claims
+            .items
+            .iter()
+            .filter(|claim| names::belongs_to(&claim.metadata, id))
+            .filter_map(|claim| claim.name_any().strip_prefix(&prefix)?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0)
+            + 1;
+        // An identity of an earlier record orphaned by its deletion (the claims of a session
+        // without a volume say nothing).
+        while self
+            .service_accounts()
+            .await?
+            .get_opt(&names::service_account(id, incarnation))
+            .await
+            .map_err(|e| api_error(&format!("reading the identity of session {id}"), e))?
+            .is_some()
+        {
+            incarnation += 1;
+        }
+        Ok((generation, incarnation))
     }
 
     /// Test-only fault hooks (see `session_runtime::conformance::FaultInjector`).
@@ -1482,7 +1630,10 @@ impl SessionRuntime for KubernetesRuntime {
     }
 
     async fn status(&self, id: &SessionId) -> Result<SessionStatus> {
-        let (_, record) = self.load_existing(id).await?;
+        let (_, mut record) = self.load_existing(id).await?;
+        if !matches!(record.state(), SessionState::Closing | SessionState::Closed) {
+            record.storage_lost = self.find_storage_loss(id, &record).await?;
+        }
         Ok(record.status())
     }
 

@@ -115,6 +115,17 @@ pub enum Error {
         holder: String,
     },
 
+    /// The session's storage is gone: deleted or replaced by someone other than its runtime
+    /// while the session still needed it. Its data cannot be had back by retrying; the session
+    /// can only be closed (a new session under the same identity gets new storage).
+    #[error("session {id} storage is lost: {storage}")]
+    StorageLost {
+        /// The session.
+        id: SessionId,
+        /// Which storage, and what became of it (e.g. `persistentvolumeclaim/x was deleted`).
+        storage: String,
+    },
+
     /// A failure inside the backend (API server, cloud service, filesystem).
     #[error("{runtime} runtime error: {message}")]
     Backend {
@@ -146,6 +157,7 @@ impl Error {
             | Error::NotFound { .. }
             | Error::InvalidState { .. }
             | Error::Fenced { .. }
+            | Error::StorageLost { .. }
             | Error::Unsupported { .. } => false,
         }
     }

@@ -87,6 +87,8 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///   starting its worker.
     /// - [`StorageInUse`](crate::Error::StorageInUse) if another broker process runs the session's
     ///   worker.
+    /// - [`StorageLost`](crate::Error::StorageLost) if the session's storage went away without its
+    ///   runtime (where the backend can tell); the session can only be closed.
     /// - [`Backend`](crate::Error::Backend): retryable for a session whose `create` has not
     ///   finished (calling `create` again finishes it); not retryable for a session record that
     ///   cannot be read.
@@ -97,7 +99,8 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///
     /// # Cancellation
     /// If dropped after the generation was incremented, the worker it may have started is fenced
-    /// by the next `attach` and reclaimed by `reconcile`.
+    /// by the next `attach` and reclaimed by `reconcile`; the Kubernetes runtime undoes it itself
+    /// (its Pod deleted, the session back in the state it had) as it does for a failed attach.
     async fn attach(&self, id: &SessionId) -> Result<Attachment>;
 
     /// Releases the session's compute and keeps storage, identity and record.

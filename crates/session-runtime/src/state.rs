@@ -129,6 +129,10 @@ pub enum StorageState {
     },
     /// The storage was deleted.
     Deleted,
+    /// The storage went away without its runtime (an operator deleted the volume, say) while the
+    /// session still needed it: its data are gone, nothing is retained, and `attach` fails with
+    /// [`StorageLost`](crate::Error::StorageLost).
+    Lost,
 }
 
 /// The worker currently serving a session.
@@ -364,6 +368,9 @@ pub struct ReconcileReport {
     /// Storage that no record names, reported for an operator and left in place (a backend
     /// deletes it only when configured to, and then lists it under `expired_storage`).
     pub orphaned_storage: Vec<(SessionId, String)>,
+    /// Sessions whose storage was found gone without their runtime, with what was lost. Each is
+    /// recorded on the session (its status says [`StorageState::Lost`]) and reported once.
+    pub lost_storage: Vec<(SessionId, String)>,
     /// Problems that did not stop the pass; the next pass retries them.
     pub errors: Vec<String>,
 }
@@ -377,6 +384,7 @@ impl ReconcileReport {
             && self.suspended_idle.is_empty()
             && self.expired_storage.is_empty()
             && self.expired_records.is_empty()
+            && self.lost_storage.is_empty()
             && self.errors.is_empty()
     }
 }

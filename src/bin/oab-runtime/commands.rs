@@ -66,6 +66,10 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             for (id, what) in &report.orphaned_storage {
                 println!("  {id}: {what}");
             }
+            println!("storage found lost: {}", report.lost_storage.len());
+            for (id, what) in &report.lost_storage {
+                println!("  {id}: {what}");
+            }
             for error in &report.errors {
                 println!("error: {error}");
             }
@@ -157,6 +161,7 @@ fn row(status: &SessionStatus) -> String {
         StorageState::Present => "present".to_owned(),
         StorageState::Retained { until } => format!("retained ({until:?})"),
         StorageState::Deleted => "deleted".to_owned(),
+        StorageState::Lost => "LOST".to_owned(),
         _ => "unknown".to_owned(),
     };
     // A failed start leaves the state as it was (`created` at generation 0 for a first start),
