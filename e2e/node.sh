@@ -182,11 +182,15 @@ node_up() {
   kubeconfig "$node_dir/kubelet.kubeconfig" "system:node:$node_name" kubelet
   start containerd containerd --config "$node_dir/containerd/config.toml"
   wait_for containerd 60 ctr_ version
-  local pause worker
+  local pause worker agent_worker
   pause=$("$repo/e2e/images/build" pause) || die "building the pause image failed"
   import_image "$pause" openab.dev/pause:test
   worker=$("$repo/e2e/images/build" worker) || die "building the worker image failed"
   import_image "$worker" openab.dev/worker:test
+  # deploy/worker/Dockerfile's image with real agents (and its probe variant), for the real-agent
+  # tests: about 3 minutes and 550 MB the first time, cached after (e2e/images/build).
+  agent_worker=$("$repo/e2e/images/build" agent-worker) || die "building the agent worker image failed"
+  import_image "$agent_worker" openab.dev/agent-worker:test
   start kubelet "$bin/kubelet" --config "$node_dir/kubelet.yaml" \
     --kubeconfig "$node_dir/kubelet.kubeconfig" --root-dir "$kubelet_root" \
     --hostname-override "$node_name" --node-labels type=real

@@ -156,3 +156,76 @@ pub async fn finished_interrupted_close(
     .await;
     id
 }
+
+/// A namespaced object a test made with the administrator's client, deleted when dropped (also
+/// when the test panics), from a thread, a runtime and a client of its own.
+pub struct DeleteOnDrop {
+    config: test_cluster::kube::Config,
+    namespace: String,
+    name: String,
+    delete: fn(test_cluster::kube::Client, &str, &str) -> futures_util::future::BoxFuture<'static, ()>,
+}
+
+impl DeleteOnDrop {
+    /// Deletes the object of kind `K` named `name` in `namespace` when dropped.
+    pub fn new<K>(cluster: &TestCluster, namespace: &str, name: &str) -> DeleteOnDrop
+    where
+        K: test_cluster::kube::Resource<Scope = test_cluster::k8s_openapi::NamespaceResourceScope>
+            + serde::de::DeserializeOwned
+            + Clone
+            + std::fmt::Debug
+            + Send
+            + 'static,
+        K::DynamicType: Default,
+    {
+        fn delete<K>(
+            client: test_cluster::kube::Client,
+            namespace: &str,
+            name: &str,
+        ) -> futures_util::future::BoxFuture<'static, ()>
+        where
+            K: test_cluster::kube::Resource<Scope = test_cluster::k8s_openapi::NamespaceResourceScope>
+                + serde::de::DeserializeOwned
+                + Clone
+                + std::fmt::Debug
+                + Send
+                + 'static,
+            K::DynamicType: Default,
+        {
+            let api: Api<K> = Api::namespaced(client, namespace);
+            let name = name.to_owned();
+            Box::pin(async move {
+                let _ = api.delete(&name, &DeleteParams::default()).await;
+            })
+        }
+        DeleteOnDrop {
+            config: cluster.admin_config(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            delete: delete::<K>,
+        }
+    }
+}
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        let (config, namespace, name, delete) = (
+            self.config.clone(),
+            self.namespace.clone(),
+            self.name.clone(),
+            self.delete,
+        );
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let client = test_cluster::kube::Client::try_from(config).ok()?;
+                delete(client, &namespace, &name).await;
+                Some(())
+            })
+        })
+        .join();
+    }
+}

@@ -1,0 +1,368 @@
+//! Real ACP agents in worker Pods of `deploy/worker/Dockerfile`'s image, which the test cluster
+//! builds without Docker (`e2e/images/build agent-worker`): `@zed-industries/codex-acp` from npm
+//! and an agent on the Python ACP SDK from PyPI (`tests/fixtures/real-agents/python-agent.py`), each
+//! configured only through its profile as `docs/kubernetes.md` "Run your agent" says, completing
+//! turns against a fake OpenAI-compatible model (`fixtures/fake_model.py`) in a Pod on the bridge,
+//! reached through the profile's `egress` entry, with its API key from a Secret. Their own state in
+//! HOME and a file in the workspace survive suspend and resume and are gone after a reset; a cancel
+//! ends a streamed turn; an agent that cannot start says why in its own words; and the image's
+//! layout is the Dockerfile's.
+//!
+//! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
+//! --test real_agents -- --ignored`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{runtime, AdminConfigMap, DeleteOnDrop};
+use serde_json::Value;
+use session_runtime::config::Reach;
+use session_runtime::testing::AcpClient;
+use session_runtime::{
+    CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SuspendReason,
+};
+use test_cluster::k8s_openapi::api::core::v1::{Pod, Probe, Secret, TCPSocketAction};
+use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use test_cluster::kube::api::{ListParams, ObjectMeta, PostParams};
+use test_cluster::kube::Api;
+use test_cluster::{exec, restricted_pod, unique_name, wait_until, TestCluster};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `deploy/worker/Dockerfile`'s image, as `e2e/images/build agent-worker` makes it.
+const AGENT_IMAGE: &str = "openab.dev/agent-worker:test";
+/// What the fake model answers.
+const ANSWER: &str = "pong from the fake model";
+/// The Secret keys the admission policy of the test cluster lets workers read
+/// (`e2e/manifests/test-cluster`), one per test so that tests running at once never share one.
+const MODEL_KEY_SECRETS: [&str; 3] = [
+    "oab-test-model-codex",
+    "oab-test-model-python",
+    "oab-test-model-crash",
+];
+
+/// The fake model in a Pod on the bridge, deleted when dropped.
+struct FakeModel {
+    ip: String,
+    _pod: DeleteOnDrop,
+}
+
+impl FakeModel {
+    async fn start(cluster: &TestCluster, purpose: &str) -> FakeModel {
+        let name = unique_name(purpose);
+        let script = include_str!("fixtures/fake_model.py");
+        let mut pod = restricted_pod(&name, AGENT_IMAGE, &["python3", "-c", script]);
+        let container = &mut pod.spec.as_mut().expect("spec").containers[0];
+        container.readiness_probe = Some(Probe {
+            tcp_socket: Some(TCPSocketAction {
+                port: IntOrString::Int(8000),
+                host: None,
+            }),
+            period_seconds: Some(1),
+            ..Probe::default()
+        });
+        let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .expect("create the fake model's Pod");
+        let guard = DeleteOnDrop::new::<Pod>(cluster, cluster.sessions_namespace(), &name);
+        let ip = wait_until(
+            "the fake model's Pod to be ready",
+            Duration::from_secs(90),
+            || async {
+                let pod = pods.get(&name).await.ok()?;
+                let status = pod.status?;
+                let ready = status
+                    .conditions?
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                ready.then_some(status.pod_ip?)
+            },
+        )
+        .await;
+        FakeModel { ip, _pod: guard }
+    }
+
+    /// The model's base URL as an agent is given it.
+    fn base_url(&self) -> String {
+        format!("http://{}:8000/v1", self.ip)
+    }
+
+    /// `GET /stats` from this host (which may open connections into Pods): requests served and
+    /// streams open.
+    async fn stats(&self) -> (u64, u64) {
+        let mut stream = tokio::net::TcpStream::connect((self.ip.as_str(), 8000))
+            .await
+            .expect("connect to the fake model");
+        stream
+            .write_all(b"GET /stats HTTP/1.1\r\nHost: model\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("ask for the fake model's stats");
+        let mut response = String::new();
+        stream
+            .read_to_string(&mut response)
+            .await
+            .expect("read the fake model's stats");
+        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let stats: Value = serde_json::from_str(body).expect("stats are JSON");
+        (
+            stats["served"].as_u64().unwrap_or_default(),
+            stats["streaming"].as_u64().unwrap_or_default(),
+        )
+    }
+}
+
+/// Secret `name` with the model's API key under `api_key`, deleted when dropped.
+async fn model_key(cluster: &TestCluster, name: &str) -> DeleteOnDrop {
+    let secrets: Api<Secret> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let _ = secrets.delete(name, &Default::default()).await;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        string_data: Some([("api_key".to_owned(), "sk-test".to_owned())].into()),
+        ..Secret::default()
+    };
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("create the model key's Secret");
+    DeleteOnDrop::new::<Secret>(cluster, cluster.sessions_namespace(), name)
+}
+
+/// A worker profile for `AGENT_IMAGE` running `agent`, reaching `model` only, with the model key
+/// from Secret `key`.
+fn agent_profile(agent: &[String], model: &FakeModel, key: &str) -> String {
+    format!(
+        r#"
+image = "{AGENT_IMAGE}"
+image_pull_policy = "Never"
+agent = {agent:?}
+termination_grace = "2s"
+egress = ["{ip}/32"]
+
+[resources]
+memory_limit = "512Mi"
+
+[storage]
+kind = "per-session"
+class = "openab-test-local"
+size = "1Gi"
+
+[[env]]
+name = "OPENAI_API_KEY"
+secret = "{key}"
+key = "api_key"
+"#,
+        ip = model.ip,
+    )
+}
+
+/// codex-acp pointed at `model`'s Responses API, as "Run your agent" configures it.
+fn codex(model: &FakeModel) -> Vec<String> {
+    let provider = format!(
+        "model_providers.fake={{name=\"fake\",base_url=\"{}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\"}}",
+        model.base_url()
+    );
+    [
+        "/usr/local/bin/codex-acp",
+        "-c",
+        "model_provider=\"fake\"",
+        "-c",
+        &provider,
+        "-c",
+        "model=\"gpt-fake\"",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// The session's running worker Pod.
+async fn worker_pod(cluster: &TestCluster, id: &SessionId) -> String {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let listed = pods
+        .list(&ListParams::default().labels(&format!("openab.dev/session={id}")))
+        .await
+        .expect("list the session's Pods");
+    listed
+        .into_iter()
+        .find(|pod| pod.metadata.deletion_timestamp.is_none())
+        .and_then(|pod| pod.metadata.name)
+        .expect("the session has a worker Pod")
+}
+
+/// Runs `script` with `/bin/sh -c` in the session's worker (the agent's container) and returns
+/// its standard output.
+async fn shell(cluster: &TestCluster, id: &SessionId, script: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let name = worker_pod(cluster, id).await;
+    let output = exec(&pods, &name, &["/bin/sh", "-c", script]).await;
+    assert!(output.success, "{script}: {}", output.stderr);
+    output.stdout
+}
+
+/// `initialize`, `session/new` in the attachment's working directory, and one prompt turn, whose
+/// text it returns after checking that it ended normally with the model's answer.
+async fn one_turn(client: &AcpClient, prompt: &str) -> String {
+    client.initialize().await.expect("initialize");
+    let session = client
+        .new_session(client.working_dir())
+        .await
+        .expect("session/new");
+    let outcome = client.prompt(&session, prompt).await.expect("session/prompt");
+    let text = outcome.chunks.concat();
+    assert_eq!(outcome.stop_reason, "end_turn", "{text}");
+    assert!(text.contains(ANSWER), "the turn's answer: {text:?}");
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn codex_acp_completes_turns_in_a_pod_keeps_its_state_across_resume_and_cancels() {
+    let installation = "real-codex";
+    let cluster = TestCluster::connect().await;
+    let model = FakeModel::start(&cluster, "model-codex").await;
+    let _key = model_key(&cluster, MODEL_KEY_SECRETS[0]).await;
+    let profile = AdminConfigMap::profile(
+        &cluster,
+        installation,
+        &agent_profile(&codex(&model), &model, MODEL_KEY_SECRETS[0]),
+    )
+    .await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, installation);
+    let identity = SessionIdentity::new(installation, "agent", "test", "codex").expect("identity");
+    let id = identity.id();
+    // What a failed earlier run left of this session goes first.
+    let _ = runtime.close(&id, CloseReason::Reset).await;
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+    let (served_before, _) = model.stats().await;
+    one_turn(&client, "ping").await;
+    assert!(
+        model.stats().await.0 > served_before,
+        "codex answered without the model"
+    );
+    // codex keeps each conversation as a rollout file under its home, ~/.codex.
+    let rollouts = "find \"$HOME/.codex\" -name 'rollout-*.jsonl' | sort";
+    let kept = shell(&cluster, &id, rollouts).await;
+    assert!(kept.contains("rollout-"), "codex's own state in HOME: {kept:?}");
+
+    // A cancel in the middle of a streamed answer ends the turn as cancelled.
+    let session = client
+        .new_session(client.working_dir())
+        .await
+        .expect("session/new");
+    let turn = client.prompt(&session, "slow: keep streaming");
+    let cancel = async {
+        wait_until("the model to stream", Duration::from_secs(60), || async {
+            (model.stats().await.1 > 0).then_some(())
+        })
+        .await;
+        client.cancel(&session).await.expect("session/cancel");
+    };
+    let (outcome, ()) = tokio::join!(turn, cancel);
+    assert_eq!(outcome.expect("the turn ends").stop_reason, "cancelled");
+    drop(client);
+
+    // Resume on the same volume: codex's state is still there, and it answers again.
+    runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach after suspend"));
+    let after = shell(&cluster, &id, rollouts).await;
+    for rollout in kept.lines() {
+        assert!(after.contains(rollout), "{rollout} lost across resume: {after:?}");
+    }
+    one_turn(&client, "ping again").await;
+    drop(client);
+
+    // After a reset the identity starts from nothing.
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create again");
+    let _client = AcpClient::new(runtime.attach(&id).await.expect("attach the new session"));
+    let fresh = shell(&cluster, &id, rollouts).await;
+    assert_eq!(fresh, "", "a reset session starts without codex's conversations");
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
+
+/// The `[turn N cwd=C home=H]` the Python agent appends to each answer.
+fn reported(text: &str) -> (u64, String, String) {
+    let tail = text
+        .rsplit_once("[turn ")
+        .map(|(_, tail)| tail.trim_end_matches(']'))
+        .unwrap_or_else(|| panic!("no report in {text:?}"));
+    let mut words = tail.split(' ');
+    let turn = words.next().and_then(|n| n.parse().ok()).expect("a turn count");
+    let mut field = |prefix: &str| {
+        words
+            .next()
+            .and_then(|word| word.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in {text:?}"))
+            .to_owned()
+    };
+    (turn, field("cwd="), field("home="))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn a_python_sdk_agent_runs_in_the_workspace_with_its_home_and_both_outlive_a_suspend() {
+    let installation = "real-python";
+    let cluster = TestCluster::connect().await;
+    let model = FakeModel::start(&cluster, "model-python").await;
+    let _key = model_key(&cluster, MODEL_KEY_SECRETS[1]).await;
+    let agent = ["python3", "/usr/local/lib/agent/agent.py", &model.base_url()].map(str::to_owned);
+    let profile = AdminConfigMap::profile(
+        &cluster,
+        installation,
+        &agent_profile(&agent, &model, MODEL_KEY_SECRETS[1]),
+    )
+    .await;
+    let runtime = runtime(&cluster, &profile, Reach::PodIp, installation);
+    let identity = SessionIdentity::new(installation, "agent", "test", "python").expect("identity");
+    let id = identity.id();
+    // What a failed earlier run left of this session goes first.
+    let _ = runtime.close(&id, CloseReason::Reset).await;
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+    let (turn, cwd, home) = reported(&one_turn(&client, "first").await);
+    assert_eq!(turn, 1);
+    assert_eq!(
+        cwd,
+        client.working_dir(),
+        "the agent runs in the session's workspace"
+    );
+    assert_eq!(home, "/home/agent", "the agent's HOME is the profile's home_path");
+    drop(client);
+
+    runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach after suspend"));
+    let (turn, ..) = reported(&one_turn(&client, "second").await);
+    assert_eq!(turn, 2, "the agent's history in HOME survives a suspend");
+    let notes = shell(&cluster, &id, &format!("cat {cwd}/notes.txt")).await;
+    assert_eq!(
+        notes, "first\nsecond\n",
+        "the file the agent wrote in its workspace"
+    );
+    drop(client);
+
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create again");
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach the new session"));
+    let (turn, ..) = reported(&one_turn(&client, "after reset").await);
+    assert_eq!(turn, 1, "a reset session has no history");
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
