@@ -20,7 +20,7 @@ use serde_json::Value;
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{
-    CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SuspendReason,
+    CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SuspendReason, WorkerExit,
 };
 use test_cluster::k8s_openapi::api::core::v1::{Pod, Probe, Secret, TCPSocketAction};
 use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -363,6 +363,48 @@ async fn a_python_sdk_agent_runs_in_the_workspace_with_its_home_and_both_outlive
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach the new session"));
     let (turn, ..) = reported(&one_turn(&client, "after reset").await);
     assert_eq!(turn, 1, "a reset session has no history");
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn an_agent_that_cannot_start_says_why_in_its_own_words() {
+    let installation = "real-crash";
+    let cluster = TestCluster::connect().await;
+    let model = FakeModel::start(&cluster, "model-crash").await;
+    let _key = model_key(&cluster, MODEL_KEY_SECRETS[2]).await;
+    let mut agent = codex(&model);
+    agent.push("--no-such-flag".to_owned());
+    let profile = AdminConfigMap::profile(
+        &cluster,
+        installation,
+        &agent_profile(&agent, &model, MODEL_KEY_SECRETS[2]),
+    )
+    .await;
+    let runtime = runtime(&cluster, &profile, Reach::Exec, installation);
+    let identity = SessionIdentity::new(installation, "agent", "test", "crash").expect("identity");
+    let id = identity.id();
+    let _ = runtime.close(&id, CloseReason::Reset).await;
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    // The relay starts the agent at the broker's first hello, so the attach succeeds and the
+    // agent's exit ends the attachment at its first request, not after a timeout.
+    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+    let refused = client.initialize().await;
+    assert!(refused.is_err(), "{refused:?}");
+    let control = client.control();
+    let exit = tokio::time::timeout(Duration::from_secs(30), control.wait())
+        .await
+        .expect("the exit arrives without a timeout")
+        .expect("the exit");
+    assert_eq!(exit, WorkerExit::Code(2), "clap's usage error");
+    let said = control
+        .stderr_tail()
+        .expect("the agent's last words came with its exit");
+    assert!(said.contains("--no-such-flag"), "{said}");
     drop(client);
     runtime.close(&id, CloseReason::Reset).await.expect("close");
 }

@@ -45,6 +45,16 @@ pub trait WorkerControl: fmt::Debug + Send + Sync {
     /// # Cancellation
     /// Safe to drop; the worker is unaffected.
     async fn wait(&self) -> Result<WorkerExit>;
+
+    /// The last lines the agent wrote to its standard error (at most 20 lines, 4 KiB), once it
+    /// has ended: in an agent's own words, why it could not start or why it stopped.
+    ///
+    /// `None` while the agent runs, when it wrote nothing, or when the backend does not keep
+    /// them: the relay-based backends (Kubernetes, AgentCore) do; the local runtime logs the
+    /// agent's stderr as it comes instead (`agent_stderr`).
+    fn stderr_tail(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A once-set record of how a worker ended, which any number of tasks can wait for.

@@ -237,6 +237,7 @@ impl RelayClient {
             wake_writer: Notify::new(),
             out_space: Notify::new(),
             exit: ExitCell::new(),
+            stderr_tail: std::sync::OnceLock::new(),
             failed: watch::channel(None).0,
             fence: fence.clone(),
             detached: CancellationToken::new(),
@@ -301,6 +302,8 @@ struct Shared {
     /// Output was consumed (or stopped mattering).
     out_space: Notify,
     exit: ExitCell,
+    /// The agent's last words on stderr, set (when it wrote any) before `exit`.
+    stderr_tail: std::sync::OnceLock<String>,
     failed: watch::Sender<Option<Arc<RelayError>>>,
     fence: Fence,
     detached: CancellationToken,
@@ -611,6 +614,11 @@ impl WorkerControl for RelayControl {
     async fn wait(&self) -> session_runtime::Result<WorkerExit> {
         self.shared.wait_exit().await
     }
+
+    /// What the relay sent with the agent's exit.
+    fn stderr_tail(&self) -> Option<String> {
+        self.shared.stderr_tail.get().cloned()
+    }
 }
 
 fn encode(frame: &Frame) -> Bytes {
@@ -915,7 +923,9 @@ async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
             }
             Frame::Eof { seq } | Frame::Exit { seq, .. } => {
                 let exit = match frame {
-                    Frame::Exit { status, .. } => Some(status),
+                    Frame::Exit {
+                        status, stderr_tail, ..
+                    } => Some((status, stderr_tail)),
                     _ => None,
                 };
                 let wakers = {
@@ -932,7 +942,17 @@ async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
                     }
                     [state.out_waker.take(), state.in_waker.take()]
                 };
-                if let Some(status) = exit {
+                if let Some((status, stderr_tail)) = exit {
+                    if !stderr_tail.is_empty() {
+                        if !matches!(status, crate::protocol::ExitStatus::Code(0)) {
+                            tracing::warn!(
+                                session = %shared.config.session,
+                                %status,
+                                "the agent ended; the last lines of its stderr:\n{stderr_tail}"
+                            );
+                        }
+                        let _ = shared.stderr_tail.set(stderr_tail);
+                    }
                     shared.exit.set(WorkerExit::from(status));
                 }
                 wakers.into_iter().flatten().for_each(Waker::wake);

@@ -496,12 +496,18 @@ pub enum Frame {
     },
     /// How the agent ended; the last item of the relay's stream.
     ///
-    /// Payload: `seq u64, kind u8 (0 code, 1 signal), value i32`.
+    /// Payload: `seq u64, kind u8 (0 code, 1 signal), value i32`, then, when the agent wrote to
+    /// its standard error, `stderr_tail (u16 length, UTF-8)`. A relay older than the field never
+    /// sends it; a broker older than it refuses an exit that carries it, so upgrade brokers
+    /// before worker images.
     Exit {
         /// The item's sequence number (at least 1).
         seq: Seq,
         /// How it ended.
         status: ExitStatus,
+        /// The last lines the agent wrote to its standard error (at most [`MAX_TEXT_LEN`]
+        /// bytes), empty when it wrote none: why an agent that could not start said it could not.
+        stderr_tail: String,
     },
     /// Heartbeat; the receiver answers with [`Frame::Pong`] carrying the same nonce.
     ///
@@ -607,7 +613,11 @@ impl Frame {
                 out.put_slice(payload);
             }
             Frame::Ack { seq } | Frame::Eof { seq } => out.put_u64(*seq),
-            Frame::Exit { seq, status } => {
+            Frame::Exit {
+                seq,
+                status,
+                stderr_tail,
+            } => {
                 out.put_u64(*seq);
                 let (kind, value) = match *status {
                     ExitStatus::Code(code) => (0, code),
@@ -615,6 +625,9 @@ impl Frame {
                 };
                 out.put_u8(kind);
                 out.put_i32(value);
+                if !stderr_tail.is_empty() {
+                    put_text(out, stderr_tail);
+                }
             }
             Frame::Ping { nonce } | Frame::Pong { nonce } => out.put_u64(*nonce),
             Frame::Signal { signal, grace_ms } => {
@@ -672,6 +685,9 @@ impl Frame {
             }
             Frame::Error { message, .. } if message.len() > MAX_TEXT_LEN => {
                 return invalid("message", "longer than 4096 bytes")
+            }
+            Frame::Exit { stderr_tail, .. } if stderr_tail.len() > MAX_TEXT_LEN => {
+                return invalid("stderr_tail", "longer than 4096 bytes")
             }
             Frame::Data { payload, .. } if payload.len() > MAX_DATA => {
                 return Err(FrameError::TooLarge {
@@ -1015,7 +1031,16 @@ fn parse_payload(frame_type: FrameType, payload: Bytes) -> Result<Frame, FrameEr
                 1 => ExitStatus::Signal(value),
                 _ => return Err(f.invalid("kind", "neither 0 (code) nor 1 (signal)")),
             };
-            Frame::Exit { seq, status }
+            let stderr_tail = if f.payload.is_empty() {
+                String::new()
+            } else {
+                f.text("stderr_tail")?
+            };
+            Frame::Exit {
+                seq,
+                status,
+                stderr_tail,
+            }
         }
         FrameType::Ping => Frame::Ping {
             nonce: f.u64("nonce")?,
@@ -1429,10 +1454,17 @@ mod tests {
             Frame::Exit {
                 seq: 8,
                 status: ExitStatus::Signal(9),
+                stderr_tail: String::new(),
+            },
+            Frame::Exit {
+                seq: 8,
+                status: ExitStatus::Code(2),
+                stderr_tail: "error: unexpected argument '--no-such-flag'\n".into(),
             },
             Frame::Exit {
                 seq: 8,
                 status: ExitStatus::Code(-1),
+                stderr_tail: String::new(),
             },
             Frame::Ping { nonce: u64::MAX },
             Frame::Pong { nonce: 0 },

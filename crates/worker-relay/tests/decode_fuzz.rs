@@ -105,14 +105,17 @@ fn frame() -> impl Strategy<Value = Frame> {
         }),
         any::<u64>().prop_map(|seq| Frame::Ack { seq }),
         (1..u64::MAX).prop_map(|seq| Frame::Eof { seq }),
-        (1..u64::MAX, any::<bool>(), any::<i32>()).prop_map(|(seq, signal, value)| Frame::Exit {
-            seq,
-            status: if signal {
-                ExitStatus::Signal(value)
-            } else {
-                ExitStatus::Code(value)
+        (1..u64::MAX, any::<bool>(), any::<i32>(), "[^\\x00]{0,64}").prop_map(
+            |(seq, signal, value, stderr_tail)| Frame::Exit {
+                seq,
+                status: if signal {
+                    ExitStatus::Signal(value)
+                } else {
+                    ExitStatus::Code(value)
+                },
+                stderr_tail,
             }
-        }),
+        ),
         any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
         any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
         (

@@ -92,6 +92,48 @@ async fn agent_exit_code_reaches_the_broker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_fails_at_once_says_why_with_its_exit() {
+    let mut relay = RelayProcess::start(
+        common::session("last-words"),
+        &sh("seq 1 30 | sed 's/^/noise /' >&2; echo 'error: unexpected argument --no-such-flag' >&2; exit 2"),
+        RelayOptions::default(),
+    )
+    .await;
+    let mut attachment = relay.attach().await;
+    assert_eq!(read_to_end(&mut attachment).await, "");
+    let control = attachment.control();
+    let exit = within("wait", control.wait()).await.expect("wait");
+    assert_eq!(exit, WorkerExit::Code(2));
+    let tail = control
+        .stderr_tail()
+        .expect("the agent's stderr came with its exit");
+    assert!(
+        tail.ends_with("error: unexpected argument --no-such-flag"),
+        "{tail}"
+    );
+    assert_eq!(tail.lines().count(), 20, "the last 20 lines: {tail}");
+    assert!(tail.starts_with("noise 12\n"), "{tail}");
+    assert_eq!(relay.exit_code().await, Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_wrote_nothing_to_stderr_has_no_tail() {
+    let relay = RelayProcess::start(
+        common::session("no-words"),
+        &sh("exit 0"),
+        RelayOptions::default(),
+    )
+    .await;
+    let attachment = relay.attach().await;
+    let control = attachment.control();
+    assert_eq!(
+        within("wait", control.wait()).await.expect("wait"),
+        WorkerExit::Code(0)
+    );
+    assert_eq!(control.stderr_tail(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_killed_from_outside_is_reported_with_its_signal() {
     let mut relay = RelayProcess::start(
         common::session("killed"),

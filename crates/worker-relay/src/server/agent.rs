@@ -36,7 +36,7 @@ pub(crate) struct Spawned {
 }
 
 /// Starts the agent in its own process group, with stdin fed from the broker's input, stdout
-/// piped to the output log and stderr passed through, and starts the tasks that pump its input
+/// piped to the output log and stderr passed through (its tail kept), and starts the tasks that pump its input
 /// and output and reap it.
 pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     let config = &inner.config;
@@ -48,7 +48,7 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
         .current_dir(&config.working_dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(Stdio::piped());
     std::os::unix::process::CommandExt::process_group(&mut command, 0);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("OAB_RELAY_") {
@@ -57,7 +57,9 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     }
     let mut child = command.spawn()?;
     let pid = child.id();
-    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+    let (Some(stdin), Some(stdout), Some(stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
         return Err(io::Error::other("the agent's pipes were not created"));
     };
     // Best effort: an unprivileged process may be limited to less.
@@ -67,8 +69,10 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     drop(child);
     let stdin = ChildStdin::from_std(stdin)?;
     let stdout = ChildStdout::from_std(stdout)?;
+    let stderr = tokio::process::ChildStderr::from_std(stderr)?;
     tokio::spawn(pump_stdin(Arc::clone(inner), stdin));
     tokio::spawn(pump_stdout(Arc::clone(inner), stdout));
+    tokio::spawn(super::stderr::pump(Arc::clone(inner), stderr));
     tokio::spawn(reap(Arc::clone(inner), pid, sigchld));
     Ok(Spawned { pid })
 }

@@ -88,16 +88,17 @@ impl OutputLog {
         self.push_frame(&frame)
     }
 
-    pub(crate) fn push_exit(&mut self, status: ExitStatus) -> Seq {
+    pub(crate) fn push_exit(&mut self, status: ExitStatus, stderr_tail: String) -> Seq {
         let frame = Frame::Exit {
             seq: self.next,
             status,
+            stderr_tail,
         };
         self.push_frame(&frame)
     }
 
     fn push_frame(&mut self, frame: &Frame) -> Seq {
-        // Fixed-size frames with a non-zero sequence number always encode.
+        // These frames have a non-zero sequence number and text within its bound: they encode.
         let bytes = frame.to_bytes().unwrap_or_default();
         self.push(bytes)
     }
@@ -193,7 +194,7 @@ mod tests {
         let mut log = OutputLog::new();
         assert_eq!(log.push_data(b"a\n"), 1);
         assert_eq!(log.push_eof(), 2);
-        assert_eq!(log.push_exit(ExitStatus::Code(3)), 3);
+        assert_eq!(log.push_exit(ExitStatus::Code(3), String::new()), 3);
         let mut out = Vec::new();
         assert_eq!(log.collect(1, usize::MAX, &mut out), 4);
         let decoded: Vec<_> = out
@@ -210,7 +211,8 @@ mod tests {
                 Frame::Eof { seq: 2 },
                 Frame::Exit {
                     seq: 3,
-                    status: ExitStatus::Code(3)
+                    status: ExitStatus::Code(3),
+                    stderr_tail: String::new(),
                 }
             ]
         );

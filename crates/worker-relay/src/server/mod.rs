@@ -8,6 +8,7 @@ mod http;
 pub mod listen;
 
 mod log;
+mod stderr;
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -284,6 +285,8 @@ impl Relay {
                     agent_pid: None,
                     input_accepted: 0,
                     stdout_closed: false,
+                    stderr_tail: stderr::StderrTail::default(),
+                    stderr_closed: false,
                     terminating: false,
                     retiring: false,
                     exit_seq: None,
@@ -527,6 +530,9 @@ struct State {
     /// The last input item written to the agent's stdin (and so acknowledged).
     input_accepted: Seq,
     stdout_closed: bool,
+    /// The last lines of the agent's standard error, and whether it closed.
+    stderr_tail: stderr::StderrTail,
+    stderr_closed: bool,
     /// Whether a SIGTERM was forwarded to the agent.
     terminating: bool,
     /// Whether [`Relay::retire`] began: no connection is accepted any more.
@@ -931,6 +937,19 @@ impl Inner {
         self.bump();
     }
 
+    fn stderr_written(&self, chunk: &[u8]) {
+        self.state.lock().stderr_tail.push(chunk);
+    }
+
+    fn stderr_closed(self: &Arc<Self>) {
+        {
+            let mut state = self.state.lock();
+            state.stderr_closed = true;
+            self.push_exit_locked(&mut state);
+        }
+        self.bump();
+    }
+
     fn agent_exited(self: &Arc<Self>, status: ExitStatus) {
         tracing::info!(%status, "agent ended");
         {
@@ -942,15 +961,17 @@ impl Inner {
         self.bump();
     }
 
-    /// Appends the exit item once both the agent's exit and its stdout's end are known.
+    /// Appends the exit item once the agent's exit and the end of its stdout and stderr are
+    /// known (so the item carries all of the stderr tail).
     fn push_exit_locked(self: &Arc<Self>, state: &mut State) {
         let AgentState::Exited { status } = state.agent else {
             return;
         };
-        if !state.stdout_closed || state.exit_seq.is_some() {
+        if !state.stdout_closed || !state.stderr_closed || state.exit_seq.is_some() {
             return;
         }
-        state.exit_seq = Some(state.log.push_exit(status));
+        let stderr_tail = state.stderr_tail.text();
+        state.exit_seq = Some(state.log.push_exit(status, stderr_tail));
         let inner = Arc::clone(self);
         let linger = self.config.linger;
         tokio::spawn(async move {
