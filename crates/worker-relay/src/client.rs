@@ -945,10 +945,13 @@ async fn read_loop(shared: &Arc<Shared>, reader: &mut Reader) -> ConnEnd {
                 if let Some((status, stderr_tail)) = exit {
                     if !stderr_tail.is_empty() {
                         if !matches!(status, crate::protocol::ExitStatus::Code(0)) {
+                            // Debug-formatted: the agent's control characters and line ends
+                            // are escaped, so its words cannot pose as log lines of their own.
                             tracing::warn!(
                                 session = %shared.config.session,
                                 %status,
-                                "the agent ended; the last lines of its stderr:\n{stderr_tail}"
+                                stderr = ?stderr_tail,
+                                "the agent ended; its last lines on stderr are attached"
                             );
                         }
                         let _ = shared.stderr_tail.set(stderr_tail);
