@@ -1,6 +1,7 @@
 //! The RFC's isolation acceptance test between two real worker Pods: sentinel files in A's
 //! workspace and HOME and a local-only git ref, probed from a shell inside B's container (and the
-//! reverse), and writes to the shared read-only skills refused. Over each reach.
+//! reverse), and writes to the shared read-only skills refused. Over each reach, and in the real
+//! agent image.
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test isolation -- --ignored`.
@@ -15,7 +16,7 @@ use test_cluster::TestCluster;
 
 const SKILL: &str = "# A shared skill\nRead-only for every session.\n";
 
-async fn isolation(reach: Reach, installation: &str) {
+async fn isolation(reach: Reach, installation: &str, image: &str) {
     let cluster = TestCluster::connect().await;
     let skills = AdminConfigMap::install(
         &cluster,
@@ -26,7 +27,8 @@ async fn isolation(reach: Reach, installation: &str) {
     // The test node's containerd 1.6 cannot mount recursively read-only (containerd 2 can), and
     // the default, "recursive", refuses to start such a worker rather than degrade silently.
     let profile_text = format!(
-        "skills_read_only = \"if-possible\"\n{WORKER_PROFILE}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        "skills_read_only = \"if-possible\"\n{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        WORKER_PROFILE.replace("openab.dev/worker:test", image),
         skills.name()
     );
     let profile = AdminConfigMap::profile(&cluster, installation, &profile_text).await;
@@ -48,11 +50,26 @@ async fn isolation(reach: Reach, installation: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn two_worker_pods_cannot_touch_each_other_over_exec() {
-    isolation(Reach::Exec, "isolation-exec").await;
+    isolation(Reach::Exec, "isolation-exec", "openab.dev/worker:test").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn two_worker_pods_cannot_touch_each_other_over_the_pod_ip() {
-    isolation(Reach::PodIp, "isolation-pod-ip").await;
+    isolation(Reach::PodIp, "isolation-pod-ip", "openab.dev/worker:test").await;
+}
+
+/// The same between two workers of deploy/worker/Dockerfile's image (Debian, Node, git, Python
+/// and codex-acp at their places), with the ACP test agent added as the shell the suite drives
+/// (`openab.dev/agent-worker-probe:test`, e2e/images/build): what a real agent's container holds
+/// and permits, probed from inside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_workers_of_the_real_agent_image_cannot_touch_each_other() {
+    isolation(
+        Reach::PodIp,
+        "isolation-agent-image",
+        "openab.dev/agent-worker-probe:test",
+    )
+    .await;
 }
