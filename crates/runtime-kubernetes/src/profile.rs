@@ -1153,7 +1153,12 @@ mod tests {
 
     /// The literal block `profile.toml: |` of the example manifest, without its indentation.
     fn example_profile() -> String {
-        let mut lines = EXAMPLE
+        profile_block(EXAMPLE)
+    }
+
+    /// The literal block `profile.toml: |` of `manifest`, without its indentation.
+    fn profile_block(manifest: &str) -> String {
+        let mut lines = manifest
             .lines()
             .skip_while(|line| line.trim() != "profile.toml: |");
         let key_indent = lines
@@ -1693,6 +1698,36 @@ mod tests {
         let data = BTreeMap::from([(PROFILE_KEY.to_owned(), MINIMAL.to_owned())]);
         let profile = WorkerProfile::from_config_map(&config_map(Some(data))).expect("valid");
         assert_eq!((profile.name(), profile.version()), (NAME, "4711"));
+    }
+
+    #[test]
+    fn the_real_agent_examples_are_valid_profiles_with_their_key_from_a_secret() {
+        let examples = [
+            (
+                include_str!("../../../deploy/kubernetes/agents/codex.yaml"),
+                "codex-acp",
+                "OPENAI_API_KEY",
+            ),
+            (
+                include_str!("../../../deploy/kubernetes/agents/claude-code.yaml"),
+                "claude-code-acp",
+                "ANTHROPIC_API_KEY",
+            ),
+            (
+                include_str!("../../../deploy/kubernetes/agents/python-sdk.yaml"),
+                "agent.py",
+                "OPENAI_API_KEY",
+            ),
+        ];
+        for (manifest, agent, key) in examples {
+            let profile = WorkerProfile::from_toml(NAME, "1", &profile_block(manifest))
+                .unwrap_or_else(|error| panic!("the {agent} example: {error}"));
+            assert!(profile.agent.iter().any(|arg| arg.ends_with(agent)), "{agent}");
+            assert!(profile.image.contains("@sha256:"), "{agent}: pinned by digest");
+            assert_eq!(profile.home_path, "/home/agent", "{agent}: HOME on the volume");
+            assert!(profile.env.iter().any(|env| env.name == key), "{agent}: {key}");
+            assert!(!profile.egress.is_empty(), "{agent}: an egress entry");
+        }
     }
 
     #[test]
