@@ -13,8 +13,13 @@
 //!    volume of its own: create, attach and the first ACP reply of all at once; suspend half and
 //!    resume them at once; close all. First-reply p50 and p95 (next to the single session's of
 //!    part 2), API requests per session, and what is left afterwards.
+//! 5. On the real node, with `deploy/worker/Dockerfile`'s image and codex-acp as the agent
+//!    (`openab.dev/agent-worker:test`, e2e/images/build): a new session's first ACP reply and a
+//!    resume's, against a bare Pod of that image from create to Ready (median of 10 each); the
+//!    image's size as the node reports it; the relay's and the agent's resident memory per Pod.
 //!
-//! Without a cluster it says so and exits 0: a benchmark is run by hand, never a gate.
+//! `OAB_BENCH_PARTS=2,5` runs only those parts. Without a cluster it says so and exits 0: a
+//! benchmark is run by hand, never a gate.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -40,6 +45,21 @@ termination_grace = "1s"
 [storage]
 kind = "ephemeral"
 "#;
+/// `deploy/worker/Dockerfile`'s image as the test cluster builds it, with codex-acp.
+const REAL_AGENT_IMAGE: &str = "openab.dev/agent-worker:test";
+const REAL_AGENT: &str = r#"
+image = "openab.dev/agent-worker:test"
+image_pull_policy = "Never"
+agent = ["/usr/local/bin/codex-acp"]
+termination_grace = "1s"
+
+[resources]
+memory_limit = "512Mi"
+
+[storage]
+kind = "ephemeral"
+"#;
+const REAL_AGENT_SAMPLES: usize = 10;
 const EPHEMERAL: &str = "kind = \"ephemeral\"";
 const PER_SESSION: &str = "kind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"";
 
@@ -97,17 +117,48 @@ async fn run() {
     };
     let runtime = build(&installation);
 
-    requests_per_lifecycle(&runtime, &faults, &installation).await;
-    attach_against_a_bare_pod(&cluster, &build(&with_volume), &installation).await;
-    reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
-    sessions_at_once(
-        &cluster,
-        std::sync::Arc::new(build(&with_volume)),
-        &faults,
-        &installation,
-    )
-    .await;
-    for name in [&installation, &with_volume] {
+    // The real agent's image, a volume per session.
+    let real_agent = format!("{installation}-codex");
+    let real_agent_profile = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(real_agent.clone()),
+            ..ObjectMeta::default()
+        },
+        data: Some([(PROFILE_KEY.to_owned(), REAL_AGENT.replace(EPHEMERAL, PER_SESSION))].into()),
+        ..ConfigMap::default()
+    };
+    maps.create(&PostParams::default(), &real_agent_profile)
+        .await
+        .expect("the real agent's profile");
+    let parts = std::env::var("OAB_BENCH_PARTS").ok();
+    let part = |n: &str| {
+        parts
+            .as_deref()
+            .is_none_or(|parts| parts.split(',').any(|p| p.trim() == n))
+    };
+
+    if part("1") {
+        requests_per_lifecycle(&runtime, &faults, &installation).await;
+    }
+    if part("2") {
+        attach_against_a_bare_pod(&cluster, &build(&with_volume), &installation).await;
+    }
+    if part("3") {
+        reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
+    }
+    if part("4") {
+        sessions_at_once(
+            &cluster,
+            std::sync::Arc::new(build(&with_volume)),
+            &faults,
+            &installation,
+        )
+        .await;
+    }
+    if part("5") {
+        real_agent_against_a_bare_pod(&cluster, &build(&real_agent), &installation).await;
+    }
+    for name in [&installation, &with_volume, &real_agent] {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
 }
@@ -459,4 +510,128 @@ async fn sessions_at_once(
         "  API requests per session: {:.1}; left afterwards: {pods_left} worker Pods, {claims_left} claims",
         requests as f64 / count as f64
     );
+}
+
+/// Part 5: the real agent's image.
+async fn real_agent_against_a_bare_pod(
+    cluster: &TestCluster,
+    runtime: &KubernetesRuntime,
+    installation: &str,
+) {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let (mut bare, mut first, mut resume) = (Vec::new(), Vec::new(), Vec::new());
+    let mut memory = Vec::new();
+    for sample in 0..REAL_AGENT_SAMPLES {
+        let pod = restricted_pod(
+            &format!("{installation}-agent-bare-{sample}"),
+            REAL_AGENT_IMAGE,
+            &["/bin/sleep", "3600"],
+        );
+        bare.push(bare_pod_to_ready(&pods, pod).await);
+        let identity = SessionIdentity::new(installation, "agent", "bench", format!("codex-{sample}"))
+            .expect("identity");
+        let id = identity.id();
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        let started = Instant::now();
+        let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+        client.initialize().await.expect("codex's first ACP reply");
+        first.push(started.elapsed());
+        memory.push(resident_memory(&pods, id.as_ref()).await);
+        drop(client);
+        runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");
+        let started = Instant::now();
+        let client = AcpClient::new(runtime.attach(&id).await.expect("resume"));
+        client
+            .initialize()
+            .await
+            .expect("codex's first ACP reply after resume");
+        resume.push(started.elapsed());
+        drop(client);
+        runtime.close(&id, CloseReason::Reset).await.expect("close");
+    }
+    let (bare_min, bare_median, bare_max) = median(bare);
+    let (first_min, first_median, first_max) = median(first);
+    let (resume_min, resume_median, resume_max) = median(resume);
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+    println!(
+        "codex-acp in deploy/worker/Dockerfile's image (a volume per session, {REAL_AGENT_SAMPLES} each):"
+    );
+    println!(
+        "  bare Pod of the image min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}"
+    );
+    println!(
+        "  first ACP reply       min {first_min:>9.1?}  median {first_median:>9.1?}  max {first_max:>9.1?}"
+    );
+    println!("  resume to ACP reply   min {resume_min:>9.1?}  median {resume_median:>9.1?}  max {resume_max:>9.1?}");
+    println!(
+        "  ratio of medians: first reply {:.2}x the bare Pod, resume {:.2}x",
+        ratio(first_median, bare_median),
+        ratio(resume_median, bare_median)
+    );
+    let size = image_size(cluster).await;
+    println!(
+        "  image size on the node: {}",
+        size.map_or("unknown".to_owned(), |bytes| format!(
+            "{:.0} MiB",
+            bytes as f64 / 1048576.0
+        ))
+    );
+    memory.sort_unstable();
+    let (relay, agent) = memory[memory.len() / 2];
+    println!(
+        "  resident memory per Pod after initialize (median): relay {:.1} MiB, agent {:.1} MiB",
+        relay as f64 / 1024.0,
+        agent as f64 / 1024.0
+    );
+}
+
+/// The relay's (PID 1) and every other process's (the agent: codex's Node launcher and native
+/// agent) resident memory in the session's worker, in KiB, read from `/proc` inside it.
+async fn resident_memory(pods: &Api<Pod>, session: &str) -> (u64, u64) {
+    let listed = pods
+        .list(&ListParams::default().labels(&format!("openab.dev/session={session}")))
+        .await
+        .expect("the session's Pods");
+    let pod = listed
+        .into_iter()
+        .find(|pod| pod.metadata.deletion_timestamp.is_none())
+        .and_then(|pod| pod.metadata.name)
+        .expect("a worker Pod");
+    let script = "for p in /proc/[0-9]*; do echo \"${p#/proc/} $(awk '/^VmRSS/ {print $2}' $p/status 2>/dev/null)\"; done";
+    let output = test_cluster::exec(pods, &pod, &["/bin/sh", "-c", script]).await;
+    let (mut relay, mut agent) = (0, 0);
+    for line in output.stdout.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(pid), Some(kib)) = (fields.next(), fields.next().and_then(|k| k.parse::<u64>().ok()))
+        else {
+            continue;
+        };
+        if pid == "1" {
+            relay = kib;
+        } else {
+            agent += kib;
+        }
+    }
+    // The shell and awk that read it are counted with the agent: about 2 MiB at most.
+    (relay, agent)
+}
+
+/// The real agent image's size as the node reports it (`status.images`).
+async fn image_size(cluster: &TestCluster) -> Option<i64> {
+    use test_cluster::k8s_openapi::api::core::v1::Node;
+    let nodes: Api<Node> = Api::all(cluster.admin());
+    let listed = nodes.list(&ListParams::default()).await.ok()?;
+    listed.into_iter().find_map(|node| {
+        node.status?.images?.into_iter().find_map(|image| {
+            image
+                .names
+                .as_ref()?
+                .iter()
+                .any(|name| name.ends_with(REAL_AGENT_IMAGE))
+                .then_some(image.size_bytes?)
+        })
+    })
 }
