@@ -1034,7 +1034,12 @@ fn parse_payload(frame_type: FrameType, payload: Bytes) -> Result<Frame, FrameEr
             let stderr_tail = if f.payload.is_empty() {
                 String::new()
             } else {
-                f.text("stderr_tail")?
+                // An empty tail is sent as none, so each exit has exactly one encoding.
+                let tail = f.text("stderr_tail")?;
+                if tail.is_empty() {
+                    return Err(f.invalid("stderr_tail", "present but empty"));
+                }
+                tail
             };
             Frame::Exit {
                 seq,
@@ -1483,6 +1488,20 @@ mod tests {
         } else {
             Peer::Relay
         }
+    }
+
+    #[test]
+    fn an_exit_with_an_empty_stderr_tail_field_is_refused_so_each_exit_has_one_encoding() {
+        // seq 1, code 11, then a tail field of length 0 (found by the fuzzer).
+        let mut bytes = vec![VERSION, FrameType::Exit.to_u8(), 0, 0, 0, 15];
+        bytes.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 11, 0, 0]);
+        assert!(matches!(
+            decode_frame(&bytes, Peer::Relay),
+            Err(FrameError::InvalidField {
+                field: "stderr_tail",
+                ..
+            })
+        ));
     }
 
     #[test]
