@@ -178,6 +178,31 @@ fn codex(model: &FakeModel) -> Vec<String> {
     .to_vec()
 }
 
+/// A session of `installation` under a profile running `agent`, made fresh: what a failed earlier
+/// run left of it is closed first. Returns the runtime, the identity and the profile's guard.
+async fn fresh_session(
+    cluster: &TestCluster,
+    installation: &str,
+    agent: &[String],
+    model: &FakeModel,
+    key: &str,
+    reach: Reach,
+) -> (
+    std::sync::Arc<runtime_kubernetes::KubernetesRuntime>,
+    SessionIdentity,
+    AdminConfigMap,
+) {
+    let profile = AdminConfigMap::profile(cluster, installation, &agent_profile(agent, model, key)).await;
+    let runtime = runtime(cluster, &profile, reach, installation);
+    let identity = SessionIdentity::new(installation, "agent", "test", installation).expect("identity");
+    let _ = runtime.close(&identity.id(), CloseReason::Reset).await;
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    (runtime, identity, profile)
+}
+
 /// The session's running worker Pod.
 async fn worker_pod(cluster: &TestCluster, id: &SessionId) -> String {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
@@ -224,21 +249,16 @@ async fn codex_acp_completes_turns_in_a_pod_keeps_its_state_across_resume_and_ca
     let cluster = TestCluster::connect().await;
     let model = FakeModel::start(&cluster, "model-codex").await;
     let _key = model_key(&cluster, MODEL_KEY_SECRETS[0]).await;
-    let profile = AdminConfigMap::profile(
+    let (runtime, identity, _profile) = fresh_session(
         &cluster,
         installation,
-        &agent_profile(&codex(&model), &model, MODEL_KEY_SECRETS[0]),
+        &codex(&model),
+        &model,
+        MODEL_KEY_SECRETS[0],
+        Reach::Exec,
     )
     .await;
-    let runtime = runtime(&cluster, &profile, Reach::Exec, installation);
-    let identity = SessionIdentity::new(installation, "agent", "test", "codex").expect("identity");
     let id = identity.id();
-    // What a failed earlier run left of this session goes first.
-    let _ = runtime.close(&id, CloseReason::Reset).await;
-    runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
 
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
     let (served_before, _) = model.stats().await;
@@ -317,21 +337,16 @@ async fn a_python_sdk_agent_runs_in_the_workspace_with_its_home_and_both_outlive
     let model = FakeModel::start(&cluster, "model-python").await;
     let _key = model_key(&cluster, MODEL_KEY_SECRETS[1]).await;
     let agent = ["python3", "/usr/local/lib/agent/agent.py", &model.base_url()].map(str::to_owned);
-    let profile = AdminConfigMap::profile(
+    let (runtime, identity, _profile) = fresh_session(
         &cluster,
         installation,
-        &agent_profile(&agent, &model, MODEL_KEY_SECRETS[1]),
+        &agent,
+        &model,
+        MODEL_KEY_SECRETS[1],
+        Reach::PodIp,
     )
     .await;
-    let runtime = runtime(&cluster, &profile, Reach::PodIp, installation);
-    let identity = SessionIdentity::new(installation, "agent", "test", "python").expect("identity");
     let id = identity.id();
-    // What a failed earlier run left of this session goes first.
-    let _ = runtime.close(&id, CloseReason::Reset).await;
-    runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
 
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
     let (turn, cwd, home) = reported(&one_turn(&client, "first").await);
@@ -376,20 +391,16 @@ async fn an_agent_that_cannot_start_says_why_in_its_own_words() {
     let _key = model_key(&cluster, MODEL_KEY_SECRETS[2]).await;
     let mut agent = codex(&model);
     agent.push("--no-such-flag".to_owned());
-    let profile = AdminConfigMap::profile(
+    let (runtime, identity, _profile) = fresh_session(
         &cluster,
         installation,
-        &agent_profile(&agent, &model, MODEL_KEY_SECRETS[2]),
+        &agent,
+        &model,
+        MODEL_KEY_SECRETS[2],
+        Reach::Exec,
     )
     .await;
-    let runtime = runtime(&cluster, &profile, Reach::Exec, installation);
-    let identity = SessionIdentity::new(installation, "agent", "test", "crash").expect("identity");
     let id = identity.id();
-    let _ = runtime.close(&id, CloseReason::Reset).await;
-    runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create");
     // The relay starts the agent at the broker's first hello, so the attach succeeds and the
     // agent's exit ends the attachment at its first request, not after a timeout.
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));

@@ -32,9 +32,8 @@ size = "1Gi"
 
 /// A ConfigMap an administrator made in the sessions namespace, removed when dropped.
 pub struct AdminConfigMap {
-    config: test_cluster::kube::Config,
-    namespace: String,
     name: String,
+    _delete: DeleteOnDrop,
 }
 
 impl AdminConfigMap {
@@ -58,9 +57,8 @@ impl AdminConfigMap {
             .await
             .expect("install the ConfigMap");
         AdminConfigMap {
-            config: cluster.admin_config(),
-            namespace: cluster.sessions_namespace().to_owned(),
             name: name.to_owned(),
+            _delete: DeleteOnDrop::new::<ConfigMap>(cluster, cluster.sessions_namespace(), name),
         }
     }
 
@@ -72,26 +70,6 @@ impl AdminConfigMap {
     /// Its name.
     pub fn name(&self) -> &str {
         &self.name
-    }
-}
-
-impl Drop for AdminConfigMap {
-    fn drop(&mut self) {
-        let (config, namespace, name) = (self.config.clone(), self.namespace.clone(), self.name.clone());
-        // The test's runtime may be blocked in this very drop: delete from a thread, a runtime and
-        // a client of its own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let client = test_cluster::kube::Client::try_from(config).ok()?;
-                let maps: Api<ConfigMap> = Api::namespaced(client, &namespace);
-                maps.delete(&name, &DeleteParams::default()).await.ok()
-            })
-        })
-        .join();
     }
 }
 
