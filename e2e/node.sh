@@ -1,6 +1,7 @@
-# The test cluster's one real node: containerd and runc from Debian, the kubelet built with the
-# control plane, a CNI bridge whose Pods reach nothing off the machine. Sourced by scripts/cluster,
-# whose helpers (start, stop, wait_for, fail, kubeconfig, kubectl, say, die) and variables it uses.
+# The test cluster's one real node: containerd and runc from Debian, the kubelet and kube-proxy
+# built with the control plane, kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach
+# nothing off the machine. Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail,
+# kubeconfig, kubectl, say, die) and variables it uses.
 # shellcheck shell=bash
 
 node_name=$(hostname)
@@ -10,15 +11,19 @@ kubelet_root="$node_dir/kubelet"
 cni_network=openab-test
 bridge=oab-br0
 pod_subnet=10.244.0.0/24
+# The bridge's own address: the Pods' gateway, the node's InternalIP, and where the API server
+# listens, so that the `kubernetes` Service (through kube-proxy) reaches it from a Pod.
+pod_gateway=10.244.0.1
 rule_comment=openab-test-cluster
-# The sysctls the kubelet rewrites at start; `up` records them and `down` puts them back.
-kubelet_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward"
+# The sysctls the kubelet rewrites at start, and the one NetworkPolicy needs; `up` records them
+# and `down` puts them back.
+node_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables"
 
 ctr_() { ctr --address "$containerd_socket" -n k8s.io "$@"; }
 
 node_packages() {
   local missing=() tool
-  for tool in containerd:containerd runc:runc ctr:containerd iptables:iptables; do
+  for tool in containerd:containerd runc:runc ctr:containerd iptables:iptables ipset:ipset; do
     command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
   done
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
@@ -31,25 +36,36 @@ node_packages() {
     die "could not install ${missing[*]}"
 }
 
-# Nothing a Pod sends is forwarded off the bridge, and Pods cannot open connections to this host:
-# only the host's own connections into Pods (and their replies) pass. IPv4 and IPv6 alike (the
-# bridge has IPv6 link-local addresses even though Pods get only IPv4 ones).
+# Nothing a Pod sends is forwarded off the bridge, and of this host Pods reach only the API
+# server's port (which NetworkPolicy then narrows to the Pods allowed it); the host's own
+# connections into Pods (and their replies) pass. IPv4 and IPv6 alike (the bridge has IPv6
+# link-local addresses even though Pods get only IPv4 ones). The rules live in the mangle table,
+# which the kernel walks before the filter table where kube-proxy and kube-router ACCEPT what
+# Services and policies allow: a policy that allows a public address must still not let a packet
+# leave this machine.
 firewalls="iptables ip6tables"
+
+# TOOL: the rules, inserted in reverse (each goes first), so they apply in this order.
+node_network_rules() {
+  printf '%s\n' "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
+    "INPUT -i $bridge -j DROP"
+  [ "$1" = iptables ] && printf '%s\n' "INPUT -i $bridge -d $pod_gateway -p tcp --dport $apiserver_port -j ACCEPT"
+  printf '%s\n' "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"
+}
 
 node_network_up() {
   local rule tool
   for tool in $firewalls; do
-    for rule in "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
-        "INPUT -i $bridge -j DROP" "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"; do
+    while read -r rule; do
       # shellcheck disable=SC2086
-      "$tool" -C $rule -m comment --comment "$rule_comment" 2>/dev/null ||
-        "$tool" -I $rule -m comment --comment "$rule_comment" || die "could not add $tool rule: $rule"
-    done
+      "$tool" -t mangle -C $rule -m comment --comment "$rule_comment" 2>/dev/null ||
+        "$tool" -t mangle -I $rule -m comment --comment "$rule_comment" || die "could not add $tool rule: $rule"
+    done <<<"$(node_network_rules "$tool")"
   done
 }
 
 # TOOL: our rules, as `-A ...` lines.
-node_rules() { "$1" -S 2>/dev/null | grep -F -- "--comment $rule_comment" || true; }
+node_rules() { "$1" -t mangle -S 2>/dev/null | grep -F -- "--comment $rule_comment" || true; }
 
 node_network_check() {
   local rules tool wanted
@@ -59,6 +75,25 @@ node_network_check() {
       grep -qF -- "$wanted" <<<"$rules" || die "the Pod network's $tool drop rule is missing ($wanted): no Pod may start"
     done
   done
+}
+
+# The bridge exists before the API server, which listens on its address. (The CNI plugin finds
+# it and keeps it.) Bridged traffic between Pods must pass iptables for NetworkPolicy to apply.
+node_bridge_up() {
+  if ! ip link show "$bridge" >/dev/null 2>&1; then
+    ip link add "$bridge" type bridge || die "could not create bridge $bridge"
+  fi
+  ip -4 addr show dev "$bridge" | grep -qF "inet $pod_gateway/" ||
+    ip addr add "$pod_gateway/${pod_subnet#*/}" dev "$bridge" || die "could not address bridge $bridge"
+  ip link set "$bridge" up || die "could not bring bridge $bridge up"
+  local name
+  if [ ! -s "$node_dir/sysctls" ]; then
+    mkdir -p "$node_dir"
+    for name in $node_sysctls; do printf '%s=%s\n' "$name" "$(sysctl -n "$name")"; done > "$node_dir/sysctls.tmp"
+    mv "$node_dir/sysctls.tmp" "$node_dir/sysctls"
+  fi
+  sysctl -qw net.bridge.bridge-nf-call-iptables=1 ||
+    die "could not set net.bridge.bridge-nf-call-iptables (br_netfilter): NetworkPolicy would not see traffic between Pods"
 }
 
 write_node_config() {
@@ -109,6 +144,7 @@ TOML
       "type": "bridge",
       "bridge": "$bridge",
       "isGateway": true,
+      "isDefaultGateway": true,
       "ipMasq": false,
       "hairpinMode": false,
       "ipam": {
@@ -171,11 +207,7 @@ import_image() {
 
 node_up() {
   node_packages
-  local started=$SECONDS name
-  if [ ! -s "$node_dir/sysctls" ]; then
-    mkdir -p "$node_dir"
-    for name in $kubelet_sysctls; do printf '%s=%s\n' "$name" "$(sysctl -n "$name")"; done > "$node_dir/sysctls"
-  fi
+  local started=$SECONDS
   node_network_up
   node_network_check
   write_node_config
@@ -193,14 +225,50 @@ node_up() {
   import_image "$agent_worker" openab.dev/agent-worker:test
   start kubelet "$bin/kubelet" --config "$node_dir/kubelet.yaml" \
     --kubeconfig "$node_dir/kubelet.kubeconfig" --root-dir "$kubelet_root" \
-    --hostname-override "$node_name" --node-labels type=real
+    --hostname-override "$node_name" --node-labels type=real --node-ip "$pod_gateway"
   wait_for kubelet 90 curl -fsS "http://127.0.0.1:$kubelet_healthz_port/healthz"
   local deadline=$((SECONDS + 120))
   until kubectl wait --for=condition=Ready "node/$node_name" --timeout=5s >/dev/null 2>&1; do
     pid_of kubelet >/dev/null || fail kubelet "kubelet exited before node $node_name was Ready"
     [ $SECONDS -lt $deadline ] || fail kubelet "node $node_name was not Ready within 120 s"
   done
+  node_services_up
+  node_policy_up
   say "node $node_name Ready in $((SECONDS - started)) s"
+}
+
+# kube-proxy in iptables mode: ClusterIP Services, the `kubernetes` one among them. It leaves
+# conntrack and route_localnet as they are, and serves NodePorts only on the bridge's address.
+node_services_up() {
+  kubeconfig "$node_dir/kube-proxy.kubeconfig" system:kube-proxy kube-proxy
+  start kube-proxy "$bin/kube-proxy" --kubeconfig "$node_dir/kube-proxy.kubeconfig" \
+    --hostname-override "$node_name" --proxy-mode iptables --cluster-cidr "$pod_subnet" \
+    --nodeport-addresses "$pod_gateway/32" --iptables-localhost-nodeports=false \
+    --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 \
+    --healthz-bind-address "127.0.0.1:$kube_proxy_healthz_port" \
+    --metrics-bind-address "127.0.0.1:$kube_proxy_metrics_port"
+  wait_for kube-proxy 60 curl -fsS "http://127.0.0.1:$kube_proxy_healthz_port/healthz"
+  # Ready once the `kubernetes` Service's rule exists.
+  wait_for kube-proxy 60 chain_mentions nat KUBE-SERVICES "-d $kubernetes_service_ip/32"
+}
+
+# chain_mentions TABLE CHAIN TEXT: whether a rule of CHAIN contains TEXT. (Read whole: under
+# pipefail, grep -q leaving early could SIGPIPE iptables.)
+chain_mentions() {
+  local rules
+  rules=$(iptables -t "$1" -S "$2" 2>/dev/null) || return 1
+  grep -qF -- "$3" <<<"$rules"
+}
+
+# kube-router with only its firewall (no routing, no service proxy), the NetworkPolicy engine:
+# no health or metrics port, so it listens on nothing.
+node_policy_up() {
+  kubeconfig "$node_dir/kube-router.kubeconfig" openab-test-kube-router kube-router
+  start kube-router "$kube_router_dir/kube-router" --kubeconfig "$node_dir/kube-router.kubeconfig" \
+    --run-firewall=true --run-router=false --run-service-proxy=false \
+    --hostname-override "$node_name" --service-cluster-ip-range "$service_cidr" \
+    --health-port 0 --metrics-port 0 --enable-ipv6=false
+  wait_for kube-router 60 chain_mentions filter FORWARD "-j KUBE-ROUTER-FORWARD"
 }
 
 # Pods first (the kubelet tears down their sandboxes and networks), then the kubelet, then
@@ -212,6 +280,8 @@ node_down() {
     local deadline=$((SECONDS + 60))
     while [ -n "$(ctr_ containers list -q 2>/dev/null)" ] && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
   fi
+  stop kube-router
+  stop kube-proxy
   stop kubelet
   if pid_of containerd >/dev/null; then
     local task
@@ -258,31 +328,46 @@ node_cgroups_down() {
 # The bridge and the rules outlive the state directory's removal, so `down` ends with them.
 node_network_down() {
   if ip link show "$bridge" >/dev/null 2>&1; then ip link delete "$bridge" 2>/dev/null || true; fi
-  local rule table chain firewall
+  local rule table chain chains firewall
   for firewall in $firewalls; do
     while read -r rule; do
       [ -n "$rule" ] || continue
       # shellcheck disable=SC2086
-      "$firewall" ${rule/-A /-D } 2>/dev/null || true
+      "$firewall" -t mangle ${rule/-A /-D } 2>/dev/null || true
     done <<<"$(node_rules "$firewall")"
   done
-  # The kubelet's own chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT) and the
-  # jumps into them: nothing else on these machines runs Kubernetes, so every KUBE- chain is its.
+  # The chains of the kubelet (KUBE-FIREWALL, KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT), kube-proxy
+  # (KUBE-SERVICES, KUBE-SVC-..., ...) and kube-router (KUBE-ROUTER-..., KUBE-POD-FW-...,
+  # KUBE-NWPLCY-...) and the jumps into them: nothing else on these machines runs Kubernetes, so
+  # every KUBE- chain is theirs.
   local tool
   for tool in iptables ip6tables; do
     command -v "$tool" >/dev/null || continue
     for table in filter nat mangle; do
-      "$tool" -t "$table" -S 2>/dev/null | grep -E '^-A [A-Z]+ .*-j KUBE-' | while read -r rule; do
-        # shellcheck disable=SC2086
-        "$tool" -t "$table" ${rule/-A /-D } 2>/dev/null || true
-      done || true
-      for chain in $("$tool" -t "$table" -S 2>/dev/null | sed -n 's/^-N \(KUBE-[A-Z0-9-]*\)$/\1/p'); do
-        "$tool" -t "$table" -F "$chain" 2>/dev/null || true
-        "$tool" -t "$table" -X "$chain" 2>/dev/null || true
+      # Jumps from the built-in chains, by number, last first (their comments hold spaces).
+      for chain in PREROUTING INPUT FORWARD OUTPUT POSTROUTING; do
+        for rule in $("$tool" -t "$table" -L "$chain" -n --line-numbers 2>/dev/null | awk '$2 ~ /^KUBE-/ { print $1 }' | sort -rn); do
+          "$tool" -t "$table" -D "$chain" "$rule" 2>/dev/null || true
+        done
       done
+      # All flushed before any is deleted: kube-proxy's and kube-router's chains jump to each other.
+      chains=$("$tool" -t "$table" -S 2>/dev/null | sed -n 's/^-N \(KUBE-[A-Z0-9-]*\)$/\1/p')
+      for chain in $chains; do "$tool" -t "$table" -F "$chain" 2>/dev/null || true; done
+      for chain in $chains; do "$tool" -t "$table" -X "$chain" 2>/dev/null || true; done
     done
   done
+  # kube-router's ipsets, once no rule refers to them.
+  local set
+  for set in $(node_ipsets); do ipset destroy "$set" 2>/dev/null || true; done
   return 0
+}
+
+# kube-router's ipsets (named KUBE-SRC-..., KUBE-DST-..., kube-router-...).
+node_ipsets() {
+  command -v ipset >/dev/null || return 0
+  local sets
+  sets=$(ipset list -n 2>/dev/null) || return 0
+  grep -E '^(KUBE-|kube-router)' <<<"$sets" || true
 }
 
 node_leftovers() {
@@ -297,6 +382,7 @@ node_leftovers() {
     grep -q KUBE- <<<"$(iptables -t "$table" -S 2>/dev/null)" && found+=" kubelet chains in iptables $table;"
     grep -q KUBE- <<<"$(ip6tables -t "$table" -S 2>/dev/null)" && found+=" kubelet chains in ip6tables $table;"
   done
+  [ -n "$(node_ipsets)" ] && found+=" ipsets ($(node_ipsets | tr '\n' ' '));"
   grep -qF -- "$node_dir" <<<"$(findmnt -rn -o TARGET)" && found+=" mounts under $node_dir;"
   local dir
   for dir in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do

@@ -186,16 +186,6 @@ kind = "ephemeral"
 "#;
 
 /// The API server's port, from the admin kubeconfig `scripts/cluster env` names.
-fn apiserver_port() -> String {
-    let path = std::env::var("KUBECONFIG").expect("scripts/cluster env sets KUBECONFIG");
-    let text = std::fs::read_to_string(&path).expect("read the kubeconfig");
-    text.lines()
-        .find_map(|line| line.trim().strip_prefix("server: https://127.0.0.1:"))
-        .expect("the kubeconfig names the API server on 127.0.0.1")
-        .trim()
-        .to_owned()
-}
-
 fn kubectl(args: &[&str]) -> String {
     let output = Command::new("kubectl")
         .args(args)
@@ -236,10 +226,9 @@ async fn record_of(leases: &Api<Lease>, name: &str) -> serde_json::Value {
 }
 
 /// `deploy/kubernetes/controller.yaml` itself, applied with `kubectl apply -k` through an overlay
-/// that sets only what the test cluster needs: the image built from this `oab-runtime`, this
-/// test's installation, and the host's network, because the test cluster's API server listens on
-/// 127.0.0.1 and has no Service network (a production cluster reaches it through the
-/// `kubernetes` Service, which the in-cluster configuration finds by itself).
+/// that sets only what the test cluster needs: the image built from this `oab-runtime` and this
+/// test's installation. The controller reaches the API server as in production, through the
+/// `kubernetes` Service (kube-proxy), with the in-cluster configuration it finds by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test --features cli,kubernetes -- --ignored"]
 async fn the_controller_deployment_leads_in_cluster_finishes_an_interrupted_close_and_hands_over() {
@@ -248,8 +237,7 @@ async fn the_controller_deployment_leads_in_cluster_finishes_an_interrupted_clos
     let namespace = cluster.sessions_namespace().to_owned();
     let maps = config_map(&cluster, &installation, "profile.toml", EPHEMERAL_PROFILE).await;
 
-    // On kind (scripts/kind-e2e.sh) the image is loaded already and Pods reach the API server
-    // through the kubernetes Service; the test cluster's API server listens on 127.0.0.1 only.
+    // On kind (scripts/kind-e2e.sh) the image is loaded already.
     let on_kind = std::env::var_os("OPENAB_CLUSTER_KIND").is_some();
     if !on_kind {
         let image = Command::new("scripts/cluster")
@@ -293,24 +281,7 @@ patches:
       - op: add
         path: /spec/template/spec/containers/0/imagePullPolicy
         value: Never
-{host_network}"#,
-        host_network = if on_kind {
-            String::new()
-        } else {
-            format!(
-                r#"      - op: add
-        path: /spec/template/spec/hostNetwork
-        value: true
-      - op: add
-        path: /spec/template/spec/containers/0/env/-
-        value: {{ name: KUBERNETES_SERVICE_HOST, value: "127.0.0.1" }}
-      - op: add
-        path: /spec/template/spec/containers/0/env/-
-        value: {{ name: KUBERNETES_SERVICE_PORT, value: "{port}" }}
-"#,
-                port = apiserver_port()
-            )
-        }
+"#
     );
     std::fs::write(overlay.path().join("kustomization.yaml"), kustomization).expect("write the overlay");
     let overlay_path = overlay.path().to_str().expect("a UTF-8 path").to_owned();
