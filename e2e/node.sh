@@ -36,19 +36,25 @@ node_packages() {
     die "could not install ${missing[*]}"
 }
 
-# Nothing a Pod sends is forwarded off the bridge, and of this host Pods reach only the API
-# server's port (which NetworkPolicy then narrows to the Pods allowed it); the host's own
-# connections into Pods (and their replies) pass. IPv4 and IPv6 alike (the bridge has IPv6
-# link-local addresses even though Pods get only IPv4 ones). The rules live in the mangle table,
-# which the kernel walks before the filter table where kube-proxy and kube-router ACCEPT what
-# Services and policies allow: a policy that allows a public address must still not let a packet
-# leave this machine.
+# Nothing a Pod sends leaves this machine, nothing from elsewhere reaches a Pod, and of this
+# host Pods reach only the API server's port (which NetworkPolicy then narrows to the Pods allowed
+# it); the host's own connections into Pods (and their replies) pass. The rules live in the
+# mangle table, which the kernel walks around the filter table where kube-proxy and kube-router
+# ACCEPT what Services and policies allow: what a Pod sends off the bridge is dropped in
+# POSTROUTING, after the policy engine has judged it (so a test sees the engine's REJECT), and a
+# policy that allows a public address still lets nothing leave. IPv6 (the bridge has link-local
+# addresses, Pods get none routable, the engine runs for IPv4 only) is dropped on the way in.
 firewalls="iptables ip6tables"
 
 # TOOL: the rules, inserted in reverse (each goes first), so they apply in this order.
 node_network_rules() {
-  printf '%s\n' "FORWARD -i $bridge ! -o $bridge -j DROP" "FORWARD -o $bridge ! -i $bridge -j DROP" \
-    "INPUT -i $bridge -j DROP"
+  if [ "$1" = iptables ]; then
+    # (The host's own address is in the Pod subnet too: its traffic is not a Pod's.)
+    printf '%s\n' "POSTROUTING -s $pod_subnet ! -o $bridge -m addrtype ! --src-type LOCAL -j DROP"
+  else
+    printf '%s\n' "FORWARD -i $bridge ! -o $bridge -j DROP"
+  fi
+  printf '%s\n' "FORWARD -o $bridge ! -i $bridge -j DROP" "INPUT -i $bridge -j DROP"
   [ "$1" = iptables ] && printf '%s\n' "INPUT -i $bridge -d $pod_gateway -p tcp --dport $apiserver_port -j ACCEPT"
   printf '%s\n' "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"
 }
@@ -71,10 +77,14 @@ node_network_check() {
   local rules tool wanted
   for tool in $firewalls; do
     rules=$(node_rules "$tool")
-    for wanted in "-A FORWARD -i $bridge ! -o $bridge" "-A FORWARD ! -i $bridge -o $bridge" "-A INPUT -i $bridge -m comment"; do
+    for wanted in "-A FORWARD ! -i $bridge -o $bridge" "-A INPUT -i $bridge -m comment"; do
       grep -qF -- "$wanted" <<<"$rules" || die "the Pod network's $tool drop rule is missing ($wanted): no Pod may start"
     done
   done
+  grep -qF -- "-A POSTROUTING -s $pod_subnet ! -o $bridge" <<<"$(node_rules iptables)" ||
+    die "the Pod network's iptables drop rule of what leaves is missing: no Pod may start"
+  grep -qF -- "-A FORWARD -i $bridge ! -o $bridge" <<<"$(node_rules ip6tables)" ||
+    die "the Pod network's ip6tables drop rule of what leaves is missing: no Pod may start"
 }
 
 # The bridge exists before the API server, which listens on its address. (The CNI plugin finds

@@ -1,7 +1,7 @@
 //! A profile's egress allowances become a NetworkPolicy that selects exactly that profile's
 //! workers, and an allowance removed from the profile is gone from the cluster at the next start.
-//! (The test cluster's network plugin does not enforce NetworkPolicy: this proves the object, not
-//! the packets; see docs/kubernetes.md.)
+//! (This proves the object; tests/network_policy.rs proves the packets through the test node's
+//! policy engine.)
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test egress -- --ignored`.

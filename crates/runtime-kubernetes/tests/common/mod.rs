@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+pub mod network;
+
 use runtime_kubernetes::profile::PROFILE_KEY;
 use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 use session_runtime::config::{KubernetesConfig, Reach};
