@@ -15,9 +15,9 @@ pod_subnet=10.244.0.0/24
 # listens, so that the `kubernetes` Service (through kube-proxy) reaches it from a Pod.
 pod_gateway=10.244.0.1
 rule_comment=openab-test-cluster
-# The sysctls the kubelet rewrites at start, and the one NetworkPolicy needs; `up` records them
+# The sysctls the kubelet rewrites at start, and the two the Pod network sets; `up` records them
 # and `down` puts them back.
-node_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables"
+node_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.ipv4.icmp_ratelimit"
 
 ctr_() { ctr --address "$containerd_socket" -n k8s.io "$@"; }
 
@@ -104,6 +104,10 @@ node_bridge_up() {
   fi
   sysctl -qw net.bridge.bridge-nf-call-iptables=1 ||
     die "could not set net.bridge.bridge-nf-call-iptables (br_netfilter): NetworkPolicy would not see traffic between Pods"
+  # The policy engine refuses with REJECT, whose ICMP errors the kernel rate-limits per peer (about
+  # 6 at once, then 1 a second): a Pod probed for many refusals in a row would see some as
+  # silence. Unlimited here, so that a test tells the engine's refusal from a drop.
+  sysctl -qw net.ipv4.icmp_ratelimit=0 || die "could not set net.ipv4.icmp_ratelimit"
 }
 
 write_node_config() {
@@ -224,11 +228,13 @@ node_up() {
   kubeconfig "$node_dir/kubelet.kubeconfig" "system:node:$node_name" kubelet
   start containerd containerd --config "$node_dir/containerd/config.toml"
   wait_for containerd 60 ctr_ version
-  local pause worker agent_worker
+  local pause worker helper agent_worker
   pause=$("$repo/e2e/images/build" pause) || die "building the pause image failed"
   import_image "$pause" openab.dev/pause:test
   worker=$("$repo/e2e/images/build" worker) || die "building the worker image failed"
   import_image "$worker" openab.dev/worker:test
+  helper=$("$repo/e2e/images/build" volume-helper) || die "building the volume helper image failed"
+  import_image "$helper" openab.dev/volume-helper:test
   # deploy/worker/Dockerfile's image with real agents (and its probe variant), for the real-agent
   # tests: about 3 minutes and 550 MB the first time, cached after (e2e/images/build).
   agent_worker=$("$repo/e2e/images/build" agent-worker) || die "building the agent worker image failed"

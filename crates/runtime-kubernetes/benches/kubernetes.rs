@@ -10,9 +10,10 @@
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //! 4. On the real node: 30 sessions at once (`OAB_BENCH_CONCURRENT` changes the number), each a
-//!    volume of its own: create, attach and the first ACP reply of all at once; suspend half and
-//!    resume them at once; close all. First-reply p50 and p95 (next to the single session's of
-//!    part 2), API requests per session, and what is left afterwards.
+//!    volume of its own: create, attach, the first ACP reply and a prompt turn of all at once; suspend half and
+//!    resume them at once; close all. First-reply p50 and p95, and the p50 as a ratio to a single
+//!    session's median first reply (the same shape, one at a time, in the same run); API requests
+//!    per session, and what is left afterwards.
 //! 5. On the real node, with `deploy/worker/Dockerfile`'s image and codex-acp as the agent
 //!    (`openab.dev/agent-worker:test`, e2e/images/build): a new session's first ACP reply and a
 //!    resume's, against a bare Pod of that image from create to Ready (median of 10 each); the
@@ -419,11 +420,12 @@ fn percentile(samples: &mut [Duration], fraction: f64) -> Duration {
     samples[index]
 }
 
-/// Attaches every session of `ids` at once and waits for each one's first ACP reply; how long
-/// each took.
+/// Attaches every session of `ids` at once and waits for each one's first ACP reply and, with
+/// `turn`, a prompt turn after it; how long each took.
 async fn attach_all(
     runtime: &std::sync::Arc<KubernetesRuntime>,
     ids: &[session_runtime::SessionId],
+    turn: bool,
 ) -> Vec<Duration> {
     let mut tasks = Vec::new();
     for id in ids {
@@ -432,7 +434,15 @@ async fn attach_all(
             let started = Instant::now();
             let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
             client.initialize().await.expect("the first ACP reply");
-            started.elapsed()
+            let first_reply = started.elapsed();
+            if turn {
+                let session = client
+                    .new_session(client.working_dir())
+                    .await
+                    .expect("session/new");
+                client.prompt(&session, "hello").await.expect("a prompt turn");
+            }
+            first_reply
         }));
     }
     let mut times = Vec::new();
@@ -441,6 +451,9 @@ async fn attach_all(
     }
     times
 }
+
+/// How many sessions part 4 attaches one at a time first, for its baseline.
+const ALONE_SAMPLES: usize = 5;
 
 async fn sessions_at_once(
     cluster: &TestCluster,
@@ -452,6 +465,21 @@ async fn sessions_at_once(
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(30);
+    // The baseline, in this run: the same sessions' shape one at a time.
+    let mut alone = Vec::new();
+    for n in 0..ALONE_SAMPLES {
+        let identity =
+            SessionIdentity::new(installation, "agent", "bench", format!("alone-{n}")).expect("identity");
+        runtime
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        alone.extend(attach_all(&runtime, &[identity.id()], true).await);
+        runtime
+            .close(&identity.id(), CloseReason::Reset)
+            .await
+            .expect("close");
+    }
     faults.clear_requests();
     let mut ids = Vec::new();
     for n in 0..count {
@@ -463,12 +491,12 @@ async fn sessions_at_once(
             .expect("create");
         ids.push(identity.id());
     }
-    let mut first = attach_all(&runtime, &ids).await;
+    let mut first = attach_all(&runtime, &ids, true).await;
     let half = &ids[..count / 2];
     for id in half {
         runtime.suspend(id, SuspendReason::Idle).await.expect("suspend");
     }
-    let mut resumed = attach_all(&runtime, half).await;
+    let mut resumed = attach_all(&runtime, half, false).await;
     for id in &ids {
         runtime.close(id, CloseReason::Reset).await.expect("close");
     }
@@ -495,11 +523,13 @@ async fn sessions_at_once(
                 .filter(|c| c.metadata.deletion_timestamp.is_none())
                 .count()
         });
-    println!("{count} sessions at once (a volume each): create, attach + first ACP reply of all at once, suspend {}, resume them at once, close all:", half.len());
+    println!("{count} sessions at once (a volume each): create, attach + first ACP reply + a prompt turn of all at once, suspend {}, resume them at once, close all:", half.len());
+    let alone_median = percentile(&mut alone, 0.5);
+    let median = percentile(&mut first, 0.5);
     println!(
-        "  first reply   p50 {:>9.1?}  p95 {:>9.1?}",
-        percentile(&mut first, 0.5),
-        percentile(&mut first, 0.95)
+        "  first reply   p50 {median:>9.1?}  p95 {:>9.1?}; alone (median of {ALONE_SAMPLES}, this run) {alone_median:.1?}: {:.1}x",
+        percentile(&mut first, 0.95),
+        median.as_secs_f64() / alone_median.as_secs_f64()
     );
     println!(
         "  resume reply  p50 {:>9.1?}  p95 {:>9.1?}",

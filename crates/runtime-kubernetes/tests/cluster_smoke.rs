@@ -10,8 +10,9 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt};
 use test_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use test_cluster::k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, Secret,
-    ServiceAccount, Toleration, VolumeResourceRequirements,
+    ConfigMap, Event, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, Pod, Secret, ServiceAccount, Toleration, Volume, VolumeMount,
+    VolumeResourceRequirements,
 };
 use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -361,12 +362,15 @@ async fn a_watch_resumed_from_a_resource_version_delivers_the_missed_events() {
     );
 }
 
+/// The test cluster's provisioner (local-path-provisioner, `WaitForFirstConsumer`): a claim waits
+/// for its first Pod, then becomes a directory on that Pod's node, and goes with the claim.
 #[tokio::test]
-#[ignore = "needs a cluster: scripts/cluster up (its test provisioner), then cargo test -- --ignored"]
-async fn a_claim_of_the_test_storage_class_binds_and_its_volume_goes_with_it() {
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn a_claim_of_the_test_storage_class_binds_on_its_first_pods_node_and_its_volume_goes_with_it() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.fresh_namespace("smoke-storage").await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace.name());
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace.name());
     let volumes: Api<PersistentVolume> = Api::all(cluster.admin());
     let claim = PersistentVolumeClaim {
         metadata: ObjectMeta {
@@ -388,17 +392,72 @@ async fn a_claim_of_the_test_storage_class_binds_and_its_volume_goes_with_it() {
         .create(&PostParams::default(), &claim)
         .await
         .expect("create");
+    // No volume before a Pod uses the claim: the volume controller says it waits for one.
+    let events: Api<Event> = Api::namespaced(cluster.admin(), namespace.name());
+    wait_until("the claim to wait for its first consumer", GENEROUS, || async {
+        let listed = events.list(&ListParams::default()).await.ok()?;
+        listed
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("WaitForFirstConsumer"))
+            .then_some(())
+    })
+    .await;
+    let pending = claims.get("data").await.expect("the claim");
+    assert_eq!(pending.status.and_then(|s| s.phase).as_deref(), Some("Pending"));
+
+    let mut pod = restricted_pod("consumer", "openab.dev/worker:test", &["sleep", "3600"]);
+    let spec = pod.spec.as_mut().expect("spec");
+    spec.volumes = Some(vec![Volume {
+        name: "data".to_owned(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: "data".to_owned(),
+            read_only: None,
+        }),
+        ..Volume::default()
+    }]);
+    spec.containers[0].volume_mounts = Some(vec![VolumeMount {
+        name: "data".to_owned(),
+        mount_path: "/data".to_owned(),
+        ..VolumeMount::default()
+    }]);
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create the consumer");
     let volume = wait_until("the claim to be bound", GENEROUS, || async {
         let claim = claims.get("data").await.ok()?;
         let bound = claim.status.as_ref()?.phase.as_deref() == Some("Bound");
         bound.then(|| claim.spec?.volume_name).flatten()
     })
     .await;
+    let node = wait_until("the consumer to be scheduled", GENEROUS, || async {
+        pods.get("consumer").await.ok()?.spec?.node_name
+    })
+    .await;
     let provisioned = volumes.get(&volume).await.expect("the bound volume");
     let spec = provisioned.spec.expect("spec");
     assert_eq!(spec.access_modes, Some(vec!["ReadWriteOncePod".to_owned()]));
-    assert!(spec.host_path.is_some(), "a directory on the node");
+    let directory = spec.host_path.expect("a directory on the node").path;
+    let pinned = spec
+        .node_affinity
+        .and_then(|a| a.required)
+        .map(|r| r.node_selector_terms)
+        .into_iter()
+        .flatten()
+        .flat_map(|term| term.match_expressions.into_iter().flatten())
+        .flat_map(|e| e.values.into_iter().flatten())
+        .collect::<Vec<_>>();
+    assert_eq!(pinned, [node], "the volume is pinned to its first Pod's node");
+    let metadata = std::fs::metadata(&directory).expect("the volume's directory on this node");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&metadata),
+        65532,
+        "{directory}"
+    );
 
+    pods.delete("consumer", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete the consumer");
     claims
         .delete("data", &DeleteParams::default())
         .await
@@ -407,6 +466,10 @@ async fn a_claim_of_the_test_storage_class_binds_and_its_volume_goes_with_it() {
         (api_status(&volumes.get(&volume).await) == Some(404)).then_some(())
     })
     .await;
+    assert!(
+        !std::path::Path::new(&directory).exists(),
+        "{directory} is removed with the volume"
+    );
 }
 
 #[tokio::test]

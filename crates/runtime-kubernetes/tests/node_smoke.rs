@@ -212,7 +212,10 @@ async fn a_volume_is_writable_by_the_worker_and_outlives_its_pod() {
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn the_host_reaches_the_relay_on_the_pod_ip_and_the_pod_reaches_nothing_off_the_bridge() {
     let cluster = TestCluster::connect().await;
-    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    // A namespace without NetworkPolicies: what is proven here is the node's own bound, which
+    // holds whatever a policy allows (tests/network_policy.rs proves the policies).
+    let namespace = cluster.fresh_namespace("smoke-bridge").await;
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace.name());
     let name = unique_name("relay");
     // The image's own entrypoint: oab-relay serving on 0.0.0.0:7780, the test agent behind it.
     let mut relay = restricted_pod(&name, WORKER_IMAGE, &[]);

@@ -26,7 +26,7 @@ use test_cluster::k8s_openapi::api::core::v1::{Pod, Probe, Secret, TCPSocketActi
 use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use test_cluster::kube::api::{ListParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
-use test_cluster::{exec, restricted_pod, unique_name, wait_until, TestCluster};
+use test_cluster::{exec, restricted_pod, unique_name, wait_until, TestCluster, TestNamespace};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// `deploy/worker/Dockerfile`'s image, as `e2e/images/build agent-worker` makes it.
@@ -41,10 +41,12 @@ const MODEL_KEY_SECRETS: [&str; 3] = [
     "oab-test-model-crash",
 ];
 
-/// The fake model in a Pod on the bridge, deleted when dropped.
+/// The fake model in a Pod on the bridge, in a namespace of its own (as a model service outside
+/// the sessions namespace, whose default-deny policy would refuse its clients), deleted when
+/// dropped.
 struct FakeModel {
     ip: String,
-    _pod: DeleteOnDrop,
+    _namespace: TestNamespace,
 }
 
 impl FakeModel {
@@ -61,11 +63,11 @@ impl FakeModel {
             period_seconds: Some(1),
             ..Probe::default()
         });
-        let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+        let namespace = cluster.fresh_namespace("fake-model").await;
+        let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace.name());
         pods.create(&PostParams::default(), &pod)
             .await
             .expect("create the fake model's Pod");
-        let guard = DeleteOnDrop::new::<Pod>(cluster, cluster.sessions_namespace(), &name);
         let ip = wait_until(
             "the fake model's Pod to be ready",
             Duration::from_secs(90),
@@ -80,7 +82,10 @@ impl FakeModel {
             },
         )
         .await;
-        FakeModel { ip, _pod: guard }
+        FakeModel {
+            ip,
+            _namespace: namespace,
+        }
     }
 
     /// The model's base URL as an agent is given it.
