@@ -531,7 +531,11 @@ const NEEDS_CHECK_SHELL: &str = "/bin/sh";
 /// Its script: `PATH DEVICE:INODE` pairs, `--`, then the command to execute when all match; exit
 /// 126 saying which differs otherwise. `stat` is coreutils' (under `/usr`, always shown).
 const NEEDS_CHECK_SCRIPT: &str = r#"while [ "$1" != -- ]; do
-  found=$(/usr/bin/stat -c %d:%i -- "$1") && [ "$found" = "$2" ] || {
+  found=$(/usr/bin/stat -c %d:%i -- "$1") || {
+    echo "oab: cannot check $1 with /usr/bin/stat (coreutils), so it is not shown" >&2
+    exit 126
+  }
+  [ "$found" = "$2" ] || {
     echo "oab: $1 is not what was checked (the host path changed while the sandbox was set up)" >&2
     exit 126
   }
