@@ -10,6 +10,7 @@
 //!   its own into the broker's log.
 //! - A listed name that resolves to a loopback address is refused unless its entry says
 //!   `loopback`, and the address connected is the one checked.
+//! - A request head trickled a byte a second is cut off by a deadline for the whole head.
 //!
 //! Every destination is a listener this test owns on loopback; the flood's processes are this
 //! test's children and are ended by it.
@@ -377,4 +378,37 @@ async fn a_listed_name_resolving_to_loopback_reaches_it_only_when_its_entry_says
         status.starts_with("HTTP/1.1 200") || status.starts_with("HTTP/1.1 502"),
         "{name}:{port} loopback: {status}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_trickled_a_byte_at_a_time_is_cut_off_by_a_whole_head_deadline() {
+    let _ = log();
+    let dir = tempfile::Builder::new()
+        .prefix("oab-trickle-")
+        .tempdir_in("/tmp")
+        .expect("dir");
+    let proxy = EgressProxyUnderTest::start(session("trickle"), &[target("api.example.com:443")], dir.path())
+        .expect("proxy");
+    let mut stream = UnixStream::connect(proxy.socket()).await.expect("connect");
+    // One byte a second never lets a per-read timeout fire; only a deadline for the whole head
+    // ends it. The bound is a liveness one (three times the proxy's 10 s), not a figure.
+    let trickle = async {
+        for byte in b"CONNECT api.example.com:443 HTTP/1.1\r\nX-Slow: ".iter().cycle() {
+            if stream.write_all(&[*byte]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let mut answer = [0u8; 64];
+            match tokio::time::timeout(Duration::from_millis(1), stream.read(&mut answer)).await {
+                Ok(Ok(read)) if read > 0 => return String::from_utf8_lossy(&answer[..read]).into_owned(),
+                Ok(_) => return String::new(),
+                Err(_) => {}
+            }
+        }
+        String::new()
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(30), trickle)
+        .await
+        .expect("the proxy still waits for a head trickled for 30 s");
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
 }
