@@ -90,7 +90,7 @@ mod sandbox;
 mod seed;
 mod settings;
 #[cfg(feature = "testing")]
-mod testing;
+pub mod testing;
 mod worker;
 
 pub(crate) use errors::backend_error;

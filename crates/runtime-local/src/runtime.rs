@@ -71,6 +71,10 @@ struct Live {
     /// when the worker is gone.
     #[allow(dead_code)]
     egress: Option<EgressProxy>,
+    /// What the worker's sandbox was set up from, by descriptor: held for as long as the worker
+    /// runs, since the sandbox mounts them after its process has started.
+    #[allow(dead_code)]
+    pinned_needs: needs::PinnedNeeds,
 }
 
 /// An exclusive `flock` on a session's lock file.
@@ -329,8 +333,16 @@ impl LocalRuntime {
         // What the agent needs is looked at again for every worker: it may have been
         // reinstalled, or made unreachable, since the session was created.
         let needs = self.agent_needs()?;
+        // Opened once before the checks and found unchanged after them: what the sandbox shows
+        // is what was checked (it takes each by descriptor).
+        let pinned = if self.sandbox.kind() == SandboxKind::None {
+            needs::PinnedNeeds::default()
+        } else {
+            needs::PinnedNeeds::pin(&needs)?
+        };
         self.sandbox
             .check_needs(&needs, &self.settings.root, record.uid)?;
+        pinned.verify()?;
         self.own(held, id, &dirs, Some(&record))?;
         self.stop_worker(
             held,
@@ -403,6 +415,7 @@ impl LocalRuntime {
             uid: record.uid,
             join_cgroups: procs.as_deref(),
             needs: &needs,
+            pinned: &pinned,
         };
         let started = match self.sandbox.command(&spec) {
             Ok(mut command) => {
@@ -464,6 +477,7 @@ impl LocalRuntime {
             activity: activity.clone(),
             limits,
             egress: egress.map(|(proxy, _)| proxy),
+            pinned_needs: pinned,
         });
         tracing::debug!(session = %id, generation, worker = %spawned.worker.process.pid, "worker started");
         Ok(Attachment::new(AttachmentParts::new(

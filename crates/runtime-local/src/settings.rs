@@ -292,6 +292,9 @@ impl LocalRuntimeBuilder {
                 "local session runtime ready"
             );
         }
+        if let Some(shared) = sandbox.shared_processes() {
+            tracing::warn!(root = %root.display(), "{shared}");
+        }
         if let Some(shared) = sandbox.shared_network() {
             tracing::warn!(root = %root.display(), "{shared}");
         } else if self.local.network.is_none() && sandbox.network() == NetworkMode::None {

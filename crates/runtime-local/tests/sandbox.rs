@@ -111,6 +111,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         uid: Some(200_123),
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let identity = IdentityFiles::at(&dirs.base);
@@ -215,6 +216,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         uid: None,
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect("argv");
@@ -281,6 +283,7 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         uid: Some(200_001),
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let error =
@@ -322,6 +325,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             uid: None,
             join_cgroups: None,
             needs: &[],
+            pinned: &sandbox::needs::PinnedNeeds::default(),
             egress: None,
         };
         let argv =
@@ -349,6 +353,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             uid: None,
             join_cgroups: None,
             needs: &[],
+            pinned: &sandbox::needs::PinnedNeeds::default(),
             egress: None,
         };
         let argv = bwrap_args(
@@ -382,6 +387,7 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         uid: Some(200_500),
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let rules = landlock_rules_for(&debian_layout(true), &[skills()], &spec);
@@ -778,6 +784,7 @@ async fn run(sandbox: &Sandbox, session: &Session, script: &str) -> Output {
         uid: session.uid,
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let paths = sandbox.worker_paths(&session.dirs);
@@ -989,6 +996,7 @@ async fn bubblewrap_runs_an_agent_from_the_hosts_tmp() {
         uid: a.uid,
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
@@ -1387,6 +1395,7 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         uid: a.uid,
         join_cgroups: None,
         needs: &[],
+        pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
     };
     let mut command = sandbox.command(&spec).expect("command");

@@ -70,7 +70,7 @@ use crate::{Error, Result, RetentionPolicy};
 mod egress;
 mod values;
 
-pub use egress::EgressTarget;
+pub use egress::{AddressKind, EgressTarget};
 use values::{check_mount_path, quoted, serde_byte_size_option};
 pub use values::{parse_quantity, serde_duration};
 
@@ -516,10 +516,18 @@ impl LocalConfig {
             ));
         }
         for (index, target) in self.egress.iter().enumerate() {
-            if let Some(earlier) = self.egress[..index].iter().position(|t| t == target) {
+            // One entry per destination, whatever kind of address each says it may reach.
+            let same = |t: &EgressTarget| t.host() == target.host() && t.port() == target.port();
+            if let Some(earlier) = self.egress[..index].iter().position(same) {
                 return Err(invalid(
                     "local.egress",
-                    format!("entries {} and {} are both {target}", earlier + 1, index + 1),
+                    format!(
+                        "entries {} and {} are both {}:{}",
+                        earlier + 1,
+                        index + 1,
+                        target.host(),
+                        target.port()
+                    ),
                 ));
             }
         }

@@ -72,6 +72,9 @@ pub(crate) async fn run(
     } else if let Some(shared) = shared_network(&settings.runtime.local, capabilities.isolation) {
         eprintln!("oab-runtime verify: {shared}");
     }
+    if capabilities.isolation == IsolationLevel::AccessControl {
+        eprintln!("oab-runtime verify: {}", landlock_processes());
+    }
     exit(suite(runtime, &options).await?)
 }
 
@@ -127,6 +130,22 @@ fn shared_network(local: &openab_runtime::config::LocalConfig, isolation: Isolat
          oab-landlock-exec helper); leave network unset with bubblewrap for a network of each \
          session's own"
     ))
+}
+
+/// What a Landlock session's agent sees of other processes: Landlock restricts paths, not
+/// processes, so only a private `/proc` (which needs a broker running as root) hides them.
+fn landlock_processes() -> &'static str {
+    if rustix::process::geteuid().is_root() {
+        "landlock, broker running as root: each session's agent gets a /proc of its own \
+         (hidepid=invisible, in a mount namespace of its own; needs util-linux unshare and mount, \
+         else the runtime warns at startup): it sees only its own session user's processes, not \
+         the broker's command line nor other sessions' processes"
+    } else {
+        "landlock, broker not running as root: no /proc of each session's own can be mounted, so \
+         every session's agent can list the host's processes and read each one's command line \
+         (the broker's and other sessions' agents' included; their files stay hidden); use \
+         bubblewrap, or run the broker as root, to hide them"
+    }
 }
 
 fn exit(passed: bool) -> Outcome {

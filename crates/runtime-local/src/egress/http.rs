@@ -1,21 +1,18 @@
 //! The session's HTTP proxy: `CONNECT host:port` and absolute-form plain HTTP requests
 //! (`GET http://host:port/path`) to a listed destination; everything else is refused.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use session_runtime::config::EgressTarget;
-use session_runtime::SessionId;
+use session_runtime::config::{AddressKind, EgressTarget};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
+use super::bounds::{HeadBytes, SessionBounds, HEAD_CHUNK, HEAD_TIMEOUT, MAX_HEAD};
 use super::EgressPlan;
 
-/// The longest request head (request line and headers) the proxy reads.
-const MAX_HEAD: usize = 16 * 1024;
-/// How long the client may take to send its request head.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long connecting to a destination may take.
+/// How long resolving a destination's name and connecting to it may take, together.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A request the proxy understood.
@@ -79,7 +76,7 @@ pub(super) fn parse_head(head: &[u8]) -> Result<ProxyRequest, Refusal> {
         return Err(Refusal {
             status: "400 Bad Request",
             reason: format!(
-                "{method} {target:?}: the proxy serves CONNECT and absolute http:// requests only"
+                "{method:?} {target:?}: the proxy serves CONNECT and absolute http:// requests only"
             ),
         });
     };
@@ -111,10 +108,22 @@ pub(super) fn parse_head(head: &[u8]) -> Result<ProxyRequest, Refusal> {
 }
 
 /// Reads the request head from `stream`: the bytes up to the blank line, and whatever the client
-/// sent after it.
-async fn read_head(stream: &mut UnixStream) -> Result<(Vec<u8>, Vec<u8>), Refusal> {
-    let mut buffer = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 4096];
+/// sent after it. The whole head must arrive within [`HEAD_TIMEOUT`], be at most [`MAX_HEAD`]
+/// bytes, and fit the session's head budget while it is read.
+async fn read_head(bounds: &SessionBounds, stream: &mut UnixStream) -> Result<(Vec<u8>, Vec<u8>), Refusal> {
+    tokio::time::timeout(HEAD_TIMEOUT, read_head_bounded(bounds, stream))
+        .await
+        .map_err(|_| bad_request(format!("no complete request head within {HEAD_TIMEOUT:?}")))?
+}
+
+async fn read_head_bounded(
+    bounds: &SessionBounds,
+    stream: &mut UnixStream,
+) -> Result<(Vec<u8>, Vec<u8>), Refusal> {
+    let mut held = HeadBytes::default();
+    let mut reserved = 0usize;
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; HEAD_CHUNK];
     loop {
         if let Some(end) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
             let rest = buffer.split_off(end + 4);
@@ -126,9 +135,22 @@ async fn read_head(stream: &mut UnixStream) -> Result<(Vec<u8>, Vec<u8>), Refusa
                 reason: format!("request head longer than {MAX_HEAD} bytes"),
             });
         }
-        let read = tokio::time::timeout(HEAD_TIMEOUT, stream.read(&mut chunk))
+        // The budget holds what the buffer may grow to with this read.
+        if buffer.len() + HEAD_CHUNK > reserved {
+            if bounds.grow_head(&mut held) {
+                reserved += HEAD_CHUNK;
+            } else {
+                return Err(Refusal {
+                    status: "503 Service Unavailable",
+                    reason: "the session's unfinished request heads hold all the memory its \
+                             proxy gives them"
+                        .to_owned(),
+                });
+            }
+        }
+        let read = stream
+            .read(&mut chunk)
             .await
-            .map_err(|_| bad_request("no complete request head in time"))?
             .map_err(|e| bad_request(format!("reading the request: {e}")))?;
         if read == 0 {
             return Err(bad_request("the connection ended before the request head did"));
@@ -148,12 +170,73 @@ async fn answer(stream: &mut UnixStream, status: &str, reason: &str) {
     let _ = stream.shutdown().await;
 }
 
-/// Serves one connection of session `id` to its proxy.
-pub(super) async fn serve_connection(id: SessionId, plan: Arc<EgressPlan>, mut inside: UnixStream) {
-    let (head, early) = match read_head(&mut inside).await {
+/// The addresses `host:port` may be reached at under `entry`: an address entry's own; for a
+/// name, those it resolves to (once: these are the addresses connected to) that are of the kind
+/// the entry allows.
+///
+/// # Errors
+///
+/// The refusal to answer: `502` if the name does not resolve, `403` if it resolves only to
+/// addresses of another kind (saying which, and how to allow them).
+async fn addresses(entry: &EgressTarget, host: &str, port: u16) -> Result<Vec<SocketAddr>, Refusal> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        // The entry's own address (`matches` compared them); its kind is the entry's.
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| Refusal {
+            status: "502 Bad Gateway",
+            reason: format!("resolving {host}: {e}"),
+        })?
+        .collect();
+    let (allowed, other): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved
+        .into_iter()
+        .partition(|address| entry.allows_address(address.ip()));
+    if allowed.is_empty() {
+        let kinds: Vec<String> = other
+            .iter()
+            .map(|address| format!("{} ({})", address.ip(), AddressKind::of(address.ip())))
+            .collect();
+        return Err(Refusal {
+            status: "403 Forbidden",
+            reason: format!(
+                "{host} resolves to {}, not to a {} address as its egress entry allows \
+                 (an entry \"{host}:{port} KIND\" allows another kind)",
+                if kinds.is_empty() {
+                    "nothing".to_owned()
+                } else {
+                    kinds.join(", ")
+                },
+                entry.reach()
+            ),
+        });
+    }
+    Ok(allowed)
+}
+
+/// Connects to the first of `addresses` that answers.
+async fn connect(addresses: &[SocketAddr]) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for address in addresses {
+        match TcpStream::connect(address).await {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last = Some(error),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
+}
+
+/// Serves one connection of a session (whose `bounds` apply) to its proxy.
+pub(super) async fn serve_connection(
+    bounds: Arc<SessionBounds>,
+    plan: Arc<EgressPlan>,
+    mut inside: UnixStream,
+) {
+    let (head, early) = match read_head(&bounds, &mut inside).await {
         Ok(read) => read,
         Err(refusal) => {
-            tracing::warn!(session = %id, "egress refused: {}", refusal.reason);
+            bounds.refuse(None, &refusal.reason);
             answer(&mut inside, refusal.status, &refusal.reason).await;
             return;
         }
@@ -161,41 +244,44 @@ pub(super) async fn serve_connection(id: SessionId, plan: Arc<EgressPlan>, mut i
     let request = match parse_head(&head) {
         Ok(request) => request,
         Err(refusal) => {
-            tracing::warn!(session = %id, "egress refused: {}", refusal.reason);
+            bounds.refuse(None, &refusal.reason);
             answer(&mut inside, refusal.status, &refusal.reason).await;
             return;
         }
     };
+    drop(head);
     let destination = if request.host.contains(':') {
         format!("[{}]:{}", request.host, request.port)
     } else {
         format!("{}:{}", request.host, request.port)
     };
-    if !plan.allows(&request.host, request.port) {
-        tracing::warn!(session = %id, destination = %destination, "egress refused: not in the session's allowlist");
+    let Some(entry) = plan.entry(&request.host, request.port) else {
+        bounds.refuse(Some(&destination), "not in the session's allowlist");
         let reason = format!("{destination} is not in this session's egress allowlist");
         answer(&mut inside, "403 Forbidden", &reason).await;
         return;
-    }
-    let connected = tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        TcpStream::connect((request.host.as_str(), request.port)),
-    )
+    };
+    let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let addresses = addresses(entry, &request.host, request.port).await?;
+        connect(&addresses).await.map_err(|error| Refusal {
+            status: "502 Bad Gateway",
+            reason: format!("connecting to {destination}: {error}"),
+        })
+    })
     .await;
     let mut outside = match connected {
         Ok(Ok(stream)) => stream,
-        Ok(Err(error)) => {
-            tracing::info!(session = %id, destination = %destination, "egress could not connect: {error}");
-            answer(
-                &mut inside,
-                "502 Bad Gateway",
-                &format!("connecting to {destination}: {error}"),
-            )
-            .await;
+        Ok(Err(refusal)) => {
+            if refusal.status.starts_with("403") {
+                bounds.refuse(Some(&destination), &refusal.reason);
+            } else {
+                bounds.note(&destination, &refusal.reason);
+            }
+            answer(&mut inside, refusal.status, &refusal.reason).await;
             return;
         }
         Err(_) => {
-            tracing::info!(session = %id, destination = %destination, "egress connect timed out");
+            bounds.note(&destination, "connect timed out");
             answer(
                 &mut inside,
                 "504 Gateway Timeout",
@@ -205,7 +291,7 @@ pub(super) async fn serve_connection(id: SessionId, plan: Arc<EgressPlan>, mut i
             return;
         }
     };
-    tracing::debug!(session = %id, destination = %destination, "egress connected");
+    tracing::debug!(session = %bounds.id(), destination = %destination, "egress connected");
     let sent = match &request.forward_head {
         None => inside
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")

@@ -16,6 +16,16 @@
 //! The sockets of one session are reachable only from its own sandbox (the session's directory
 //! is private to the broker and the session's user), so one session's allowlist opens nothing
 //! for another. The proxy ends with its worker ([`EgressProxy`] is dropped).
+//!
+//! The proxy runs in the broker's process, so each session's use of it is bounded
+//! ([`bounds`]): connections, request-head bytes and time, memory; its refusals are counted and
+//! logged at a bounded rate, with every agent-chosen value escaped. A name is resolved once, and
+//! only the addresses of the kind its entry allows ([`EgressTarget::reach`]) are connected to.
+//!
+//! It stays in the broker's process rather than a helper per session: the bounds make one
+//! session's share of it small and fixed (about 2 MiB and [`bounds::MAX_CONNECTIONS`]
+//! descriptors), while a helper per session would cost a process per session and a second
+//! hop for every byte.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
@@ -29,13 +39,16 @@ use tokio_util::sync::CancellationToken;
 
 use crate::sandbox::EgressLaunch;
 
+pub(crate) mod bounds;
 mod http;
+
+use bounds::SessionBounds;
 
 /// The first port tried for the proxy inside a session (the conventional proxy port); the
 /// next free one is used if a loopback forward takes it.
 const FIRST_PROXY_PORT: u16 = 3128;
 /// The proxy's socket file in the session's egress directory.
-const PROXY_SOCKET: &str = "proxy.sock";
+pub(crate) const PROXY_SOCKET: &str = "proxy.sock";
 /// What `NO_PROXY` says: loopback is reached directly (the forwards listen there).
 const NO_PROXY: &str = "localhost,127.0.0.1,::1";
 
@@ -78,9 +91,10 @@ impl EgressPlan {
         }
     }
 
-    /// Whether `host:port`, as a client of the proxy names it, is a listed destination.
-    pub(crate) fn allows(&self, host: &str, port: u16) -> bool {
-        self.targets.iter().any(|target| target.matches(host, port))
+    /// The entry of `host:port`, as a client of the proxy names it, if it is a listed
+    /// destination (the configuration lists each destination once).
+    pub(crate) fn entry(&self, host: &str, port: u16) -> Option<&EgressTarget> {
+        self.targets.iter().find(|target| target.matches(host, port))
     }
 
     /// The variables the agent gets: `HTTPS_PROXY`, `HTTP_PROXY` (and their lower-case forms,
@@ -126,6 +140,7 @@ fn forward_socket(index: usize) -> String {
 pub(crate) struct EgressProxy {
     stop: CancellationToken,
     sockets: Vec<PathBuf>,
+    bounds: Arc<SessionBounds>,
 }
 
 impl Drop for EgressProxy {
@@ -161,6 +176,7 @@ impl EgressProxy {
         let mut proxy = EgressProxy {
             stop: CancellationToken::new(),
             sockets: Vec::new(),
+            bounds: SessionBounds::new(id),
         };
         let bind = |proxy: &mut EgressProxy, name: &str| -> Result<UnixListener, Error> {
             let path = socket_dir.join(name);
@@ -178,24 +194,60 @@ impl EgressProxy {
             Ok(listener)
         };
         let listener = bind(&mut proxy, PROXY_SOCKET)?;
-        tokio::spawn(serve(listener, proxy.stop.clone(), {
-            let plan = Arc::clone(plan);
-            move |stream| http::serve_connection(id, Arc::clone(&plan), stream)
-        }));
+        tokio::spawn(serve(
+            listener,
+            proxy.stop.clone(),
+            Arc::clone(&proxy.bounds),
+            true,
+            {
+                let plan = Arc::clone(plan);
+                let bounds = Arc::clone(&proxy.bounds);
+                move |stream| http::serve_connection(Arc::clone(&bounds), Arc::clone(&plan), stream)
+            },
+        ));
         for (index, address) in plan.forwards.iter().enumerate() {
             let listener = bind(&mut proxy, &forward_socket(index))?;
             let address = *address;
-            tokio::spawn(serve(listener, proxy.stop.clone(), move |stream| {
-                forward(id, address, stream)
-            }));
+            let bounds = Arc::clone(&proxy.bounds);
+            tokio::spawn(serve(
+                listener,
+                proxy.stop.clone(),
+                Arc::clone(&proxy.bounds),
+                false,
+                move |stream| forward(Arc::clone(&bounds), address, stream),
+            ));
         }
         Ok(proxy)
     }
+
+    /// How many connections and requests the proxy has refused (for tests).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn refused(&self) -> u64 {
+        self.bounds.refused()
+    }
+
+    /// How many connections the proxy holds now (for tests).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn open_connections(&self) -> usize {
+        self.bounds.open_connections()
+    }
 }
 
-/// Accepts connections on `listener` until `stop`, handling each with `handle` until `stop`.
-async fn serve<F, Fut>(listener: UnixListener, stop: CancellationToken, handle: F)
-where
+/// What a connection beyond its session's limit is answered on the HTTP proxy's socket.
+const OVER_LIMIT: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// Accepts connections on `listener` until `stop`, handling each with `handle` until `stop`,
+/// within the session's `bounds`: a connection beyond them is refused at once (answered `503`
+/// first when `http`), and a shortage of descriptors or memory makes the loop wait rather
+/// than spin.
+async fn serve<F, Fut>(
+    listener: UnixListener,
+    stop: CancellationToken,
+    bounds: Arc<SessionBounds>,
+    http: bool,
+    handle: F,
+) where
     F: Fn(UnixStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
@@ -204,10 +256,43 @@ where
             () = stop.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((stream, _)) = accepted else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) if bounds::accept_exhausted(&error) => {
+                bounds.refuse(None, &format!("cannot accept a connection now, waiting: {error}"));
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(bounds::ACCEPT_BACKOFF) => continue,
+                }
+            }
+            // The client went away before its connection was accepted; nothing is held.
+            Err(_) => continue,
+        };
+        let Some(slot) = bounds.connection() else {
+            if http {
+                // Never waits: a client that does not read its answer just loses it.
+                let _ = stream.try_write(OVER_LIMIT);
+            }
+            drop(stream);
+            bounds.refuse(
+                None,
+                &format!(
+                    "the session has {} connections open through its proxy, its limit",
+                    bounds::MAX_CONNECTIONS
+                ),
+            );
+            // A flood costs the broker at most one accept per pause: a session's agent that
+            // opens connections in a loop cannot make the broker spin for it. Only this
+            // session's new connections wait (in the kernel's queue) meanwhile.
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(bounds::REFUSAL_PAUSE) => continue,
+            }
+        };
         let stop = stop.clone();
         let connection = handle(stream);
         tokio::spawn(async move {
+            let _slot = slot;
             tokio::select! {
                 () = stop.cancelled() => {}
                 () = connection => {}
@@ -217,13 +302,16 @@ where
 }
 
 /// Joins a connection of the session's to the listed loopback destination `address` on the host.
-async fn forward(id: SessionId, address: SocketAddr, mut inside: UnixStream) {
+async fn forward(bounds: Arc<SessionBounds>, address: SocketAddr, mut inside: UnixStream) {
     match TcpStream::connect(address).await {
         Ok(mut outside) => {
             let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
         }
         Err(error) => {
-            tracing::info!(session = %id, destination = %address, "egress forward could not connect: {error}");
+            bounds.note(
+                &address.to_string(),
+                &format!("forward could not connect: {error}"),
+            );
         }
     }
 }

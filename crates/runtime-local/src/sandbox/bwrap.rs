@@ -423,8 +423,13 @@ pub(crate) fn bwrap_args(
     }
     let mounts = need_mounts(layout, spec.needs);
     let mut created = Vec::new();
+    let mut mounted_needs: Vec<(PathBuf, String)> = Vec::new();
     for (host, shown) in &mounts.binds {
         need_parents(&mut args, layout, shown, &mut created);
+        // bubblewrap resolves the source to a name again: the mount is checked inside.
+        if let Some(identity) = spec.pinned.identity(host) {
+            mounted_needs.push((shown.clone(), identity));
+        }
         args.push("--ro-bind").push(host).push(shown);
     }
     for (target, at) in &mounts.links {
@@ -452,6 +457,9 @@ pub(crate) fn bwrap_args(
             Some(shown) => shown,
             None => {
                 traversable_parents(&mut args, &shown);
+                if let Some(identity) = spec.pinned.identity(&real) {
+                    mounted_needs.push((shown.clone(), identity));
+                }
                 args.push("--ro-bind").push(&real).push(&shown);
                 shown
             }
@@ -478,6 +486,18 @@ pub(crate) fn bwrap_args(
     }
     args.push("--chdir").push(SANDBOX_WORKSPACE);
     args.push("--");
+    if !mounted_needs.is_empty() {
+        // In the sandbox's own mount namespace, before anything of the agent's runs: each need
+        // mounted is the file that was checked (a bind mount has its source's device and inode).
+        args.push(NEEDS_CHECK_SHELL)
+            .push("-c")
+            .push(NEEDS_CHECK_SCRIPT)
+            .push("oab-needs-check");
+        for (shown, identity) in &mounted_needs {
+            args.push(shown).push(identity);
+        }
+        args.push("--");
+    }
     if let Some((setpriv, uid)) = setpriv {
         args.push(setpriv);
         for arg in setpriv_args(uid) {
@@ -505,6 +525,24 @@ pub(crate) fn bwrap_args(
     }
     Ok(args.0)
 }
+
+/// The shell that checks, inside the sandbox, that each need mounted is the file checked.
+const NEEDS_CHECK_SHELL: &str = "/bin/sh";
+/// Its script: `PATH DEVICE:INODE` pairs, `--`, then the command to execute when all match; exit
+/// 126 saying which differs otherwise. `stat` is coreutils' (under `/usr`, always shown).
+const NEEDS_CHECK_SCRIPT: &str = r#"while [ "$1" != -- ]; do
+  found=$(/usr/bin/stat -c %d:%i -- "$1") || {
+    echo "oab: cannot check $1 with /usr/bin/stat (coreutils), so it is not shown" >&2
+    exit 126
+  }
+  [ "$found" = "$2" ] || {
+    echo "oab: $1 is not what was checked (the host path changed while the sandbox was set up)" >&2
+    exit 126
+  }
+  shift 2
+done
+shift
+exec "$@""#;
 
 /// Creates the missing parents of a mount target as 0755, so a session running as its own user
 /// can reach it (bubblewrap would otherwise create them 0700, owned by root).

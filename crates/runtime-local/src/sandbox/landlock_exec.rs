@@ -152,11 +152,22 @@ pub(crate) fn rules(layout: &HostLayout, readonly: &[ReadonlyMount], spec: &Laun
     // What the agent needs, outer directories first, so that what lies inside one adds no rule.
     let mut needed: Vec<PathBuf> = spec.needs.iter().map(|need| need.real.clone()).collect();
     needed.sort_by_key(|path| path.components().count());
+    let mut granted_needs: Vec<PathBuf> = Vec::new();
     for real in needed.into_iter().chain(program) {
-        if !read.iter().any(|granted| real.starts_with(granted)) {
-            read.push(real);
+        if !read
+            .iter()
+            .chain(&granted_needs)
+            .any(|granted| real.starts_with(granted))
+        {
+            granted_needs.push(real);
         }
     }
+    // The file that was checked, by descriptor: never the name, which may lead elsewhere now.
+    read.extend(
+        granted_needs
+            .into_iter()
+            .map(|real| spec.pinned.source(&real).unwrap_or(real)),
+    );
     let dirs = spec.dirs;
     let mut write: Vec<PathBuf> = [&dirs.workspace, &dirs.home, &dirs.tmp, &dirs.state]
         .into_iter()

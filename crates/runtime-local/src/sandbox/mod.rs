@@ -45,7 +45,9 @@
 //! **Landlock**: the agent is started through the `oab-landlock-exec` helper (a binary of this
 //! crate: it keeps `unsafe` code out of the broker, as the lints require), which restricts itself
 //! with Landlock and then executes the agent as the session's uid. The agent may read and execute
-//! the system directories, `/proc`, the read-only inputs (at their host paths: Landlock cannot
+//! the system directories, `/proc` (a private one mounted `hidepid=invisible` when the broker
+//! runs as root, see [`private_proc`]; otherwise the host's, with every process's command line),
+//! the read-only inputs (at their host paths: Landlock cannot
 //! move them) and what the agent needs ([`needs`]), read and write a few device files (`/dev/null`, `/dev/zero`, `/dev/full`,
 //! `/dev/random`, `/dev/urandom`), and do anything in its own session directories; everything else
 //! is denied, and it can neither signal nor reach the abstract UNIX sockets of processes outside
@@ -92,6 +94,7 @@ pub(crate) mod landlock_exec;
 #[allow(dead_code)] // `restrict_self` and `parse` are for the helper binary, which shares the file
 pub(crate) mod landlock_rules;
 pub(crate) mod needs;
+pub(crate) mod private_proc;
 pub(crate) mod storage;
 pub(crate) mod uids;
 
@@ -200,6 +203,9 @@ pub(crate) struct LaunchSpec<'a> {
     /// What of the host the program needs ([`needs::resolve`], checked by
     /// [`Sandbox::check_needs`]): shown read-only at the same paths.
     pub(crate) needs: &'a [needs::Needed],
+    /// The same, each opened once ([`needs::PinnedNeeds::pin`]): what the sandbox shows is
+    /// taken from these, never from the paths again.
+    pub(crate) pinned: &'a needs::PinnedNeeds,
     /// With `network = "allowlist"`: the session's way out of its network namespace.
     pub(crate) egress: Option<&'a EgressLaunch>,
 }
@@ -442,6 +448,19 @@ impl Sandbox {
                 _ => "chosen explicitly",
             }
         ))
+    }
+
+    /// What sessions of this sandbox see of other processes, in one sentence for the startup
+    /// log and `verify`; `None` when each has a `/proc` of its own (bubblewrap always; Landlock
+    /// with a broker running as root, see [`private_proc`]).
+    pub(crate) fn shared_processes(&self) -> Option<String> {
+        match self.inner.backend {
+            Backend::Landlock { .. } => private_proc::shared_processes(
+                private_proc::tools(&self.inner.layout).as_ref(),
+                self.inner.layout.root,
+            ),
+            _ => None,
+        }
     }
 
     /// A sandbox from already detected parts.
@@ -809,9 +828,8 @@ impl Sandbox {
             }
             Backend::Landlock { helper } => {
                 let args = landlock_exec::helper_args(&inner.layout, &inner.readonly, spec)?;
-                let mut command = tokio::process::Command::new(helper);
-                command.args(args);
-                Ok(command)
+                let tools = private_proc::tools(&inner.layout);
+                Ok(private_proc::command(tools.as_ref(), helper, args))
             }
         }
     }

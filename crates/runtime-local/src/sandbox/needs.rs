@@ -21,9 +21,20 @@
 //! any that contains the session root or lies inside it (it would show every session's storage
 //! to every agent), and [`check_reachable`] refuses any that the session's own user could not
 //! reach anyway, so that a program under a private home fails at once and says why.
+//!
+//! What is checked is what is shown: each path is opened once ([`PinnedNeeds::pin`], without
+//! following any link, so a path swapped for a link since it was resolved is refused), checked,
+//! found unchanged ([`PinnedNeeds::verify`]), and the sandbox shows that file: Landlock is given
+//! the open file itself ([`PinnedNeeds::source`]: `/proc/<broker pid>/fd/<n>`, never the name
+//! again); bubblewrap, which resolves every bind source to a name before it mounts it, mounts
+//! by name and then, inside the new mount namespace and before the agent starts, each mount is
+//! checked to be the file opened ([`PinnedNeeds::identity`]: device and inode), or the worker
+//! ends. Whoever may write a directory on the way cannot swap in a link to `/` between the check
+//! and the mount.
 
 use std::fs::Metadata;
 use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -113,6 +124,111 @@ pub(crate) struct Needed {
     pub(crate) real: PathBuf,
     /// Why it is needed.
     pub(crate) why: Why,
+}
+
+/// What the agent needs, each opened once: the files a worker's sandbox shows, held open until
+/// the worker ends (its sandbox is set up from them, by descriptor, after it starts).
+#[derive(Debug, Default)]
+pub(crate) struct PinnedNeeds {
+    /// Each real path, its open file (`O_PATH`), and why it is needed (for messages).
+    pinned: Vec<(PathBuf, OwnedFd, Why)>,
+}
+
+impl PinnedNeeds {
+    /// Opens every real path of `needed` once, as a path only (`O_PATH`), refusing to follow any
+    /// link on the way: the paths are already resolved, so a link there now means one was
+    /// swapped in since.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the need's key (e.g. `agent.needs`), with the path and
+    /// why: it changed (a link now stands on its way) or cannot be opened.
+    ///
+    /// # Idempotency
+    ///
+    /// Opens new descriptors on every call; nothing else changes.
+    pub(crate) fn pin(needed: &[Needed]) -> Result<Self, Error> {
+        use rustix::fs::{Mode, OFlags, ResolveFlags, CWD};
+        let mut pinned: Vec<(PathBuf, OwnedFd, Why)> = Vec::new();
+        for need in needed {
+            if pinned.iter().any(|(real, _, _)| *real == need.real) {
+                continue;
+            }
+            let opened = rustix::fs::openat2(
+                CWD,
+                &need.real,
+                // Not `O_NOFOLLOW`: with `O_PATH` it would open a link itself (which a mount of
+                // the descriptor then follows); following is what `NO_SYMLINKS` refuses.
+                OFlags::PATH | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+            )
+            .map_err(|errno| {
+                invalid(
+                    need.why.key(),
+                    format!(
+                        "{} ({}) changed while it was checked, or cannot be opened without \
+                         following a link: {}",
+                        need.why.describe(),
+                        need.real.display(),
+                        std::io::Error::from(errno)
+                    ),
+                )
+            })?;
+            pinned.push((need.real.clone(), opened, need.why));
+        }
+        Ok(PinnedNeeds { pinned })
+    }
+
+    /// Checks that each path still names the file opened for it (after the checks by path, so
+    /// they were of the file that is shown).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the need's key, if a path names another file now or is
+    /// gone.
+    pub(crate) fn verify(&self) -> Result<(), Error> {
+        for (real, opened, why) in &self.pinned {
+            let same = match (
+                rustix::fs::fstat(opened),
+                rustix::fs::statat(rustix::fs::CWD, real, rustix::fs::AtFlags::SYMLINK_NOFOLLOW),
+            ) {
+                (Ok(held), Ok(now)) => held.st_dev == now.st_dev && held.st_ino == now.st_ino,
+                _ => false,
+            };
+            if !same {
+                return Err(invalid(
+                    why.key(),
+                    format!(
+                        "{} ({}) changed while it was checked",
+                        why.describe(),
+                        real.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The device and inode of the file opened for the real path `real`, as `stat -c %d:%i`
+    /// writes them, or `None` if `real` was not pinned.
+    pub(crate) fn identity(&self, real: &Path) -> Option<String> {
+        let (_, opened, _) = self.pinned.iter().find(|(pinned, _, _)| pinned == real)?;
+        let stat = rustix::fs::fstat(opened).ok()?;
+        Some(format!("{}:{}", stat.st_dev, stat.st_ino))
+    }
+
+    /// The path a sandbox takes the real path `real` from: the open file of it, through this
+    /// process's descriptor table (`/proc/<pid>/fd/<n>`, which leads to that file whatever its
+    /// name leads to now), or `None` if `real` was not pinned.
+    pub(crate) fn source(&self, real: &Path) -> Option<PathBuf> {
+        self.pinned
+            .iter()
+            .find(|(pinned, _, _)| pinned == real)
+            .map(|(_, opened, _)| {
+                PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), opened.as_raw_fd()))
+            })
+    }
 }
 
 /// The resolved `agent.needs` entries.
