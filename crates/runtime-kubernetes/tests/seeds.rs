@@ -23,11 +23,17 @@ use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
-use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster};
+use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster, TestNamespace};
 
 /// A git daemon on the bridge serving `/tmp/repo` with a `topic` branch whose last commit says
-/// `token`.
-async fn git_server(cluster: &TestCluster, name: &str, token: &str) -> (Api<Pod>, String) {
+/// `token`, in a namespace of its own (a server outside the sessions namespace, whose
+/// default-deny policy would refuse its clients); the namespace goes when this is dropped.
+struct GitServer {
+    ip: String,
+    _namespace: TestNamespace,
+}
+
+async fn git_server(cluster: &TestCluster, name: &str, token: &str) -> GitServer {
     let script = format!(
         "set -e; cd /tmp; git init -q repo; cd repo; \
          git -c user.email=t@t -c user.name=t commit -q --allow-empty -m base; \
@@ -62,7 +68,8 @@ async fn git_server(cluster: &TestCluster, name: &str, token: &str) -> (Api<Pod>
         period_seconds: Some(1),
         ..Probe::default()
     });
-    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let namespace = cluster.fresh_namespace("git-server").await;
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace.name());
     pods.create(&PostParams::default(), &pod)
         .await
         .expect("the git server");
@@ -76,7 +83,10 @@ async fn git_server(cluster: &TestCluster, name: &str, token: &str) -> (Api<Pod>
         ready.then_some(status.pod_ip?)
     })
     .await;
-    (pods, ip)
+    GitServer {
+        ip,
+        _namespace: namespace,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,8 +109,11 @@ async fn a_home_template_and_a_clone_of_a_branch_seed_the_session_and_the_job_go
     );
     let token = unique_name("commit");
     let server = format!("{installation}-git");
-    let (pods, ip) = git_server(&cluster, &server, &token).await;
-    let document = format!("seed_hosts = [\"git://{ip}\"]\n{document}");
+    let git = git_server(&cluster, &server, &token).await;
+    let ip = &git.ip;
+    // A server at a private address: the profile lists it for its seeds' egress, as an
+    // operator with an in-cluster git server does.
+    let document = format!("seed_hosts = [\"git://{ip}\"]\negress = [\"{ip}/32\"]\n{document}");
     let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
 
@@ -177,15 +190,6 @@ async fn a_home_template_and_a_clone_of_a_branch_seed_the_session_and_the_job_go
         .close(&broken.id(), CloseReason::Reset)
         .await
         .expect("close");
-    let _ = pods
-        .delete(
-            &server,
-            &DeleteParams {
-                grace_period_seconds: Some(0),
-                ..DeleteParams::default()
-            },
-        )
-        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -389,7 +393,7 @@ async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refu
     }
 }
 
-/// A claim every session of a profile borrows, bound by the test provisioner; removed when
+/// A claim every session of a profile borrows, bound by the cluster's provisioner; removed when
 /// dropped.
 struct SharedClaim {
     claims: Api<PersistentVolumeClaim>,
@@ -438,7 +442,8 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
     let cluster = TestCluster::connect().await;
     let token = unique_name("commit");
     let server = format!("{installation}-git");
-    let (pods, ip) = git_server(&cluster, &server, &token).await;
+    let git = git_server(&cluster, &server, &token).await;
+    let ip = &git.ip;
     // The one claim the test cluster's admission limits list (e2e/manifests/test-cluster).
     let shared = SharedClaim::create(&cluster, "oab-test-borrowed").await;
     let document = WORKER_PROFILE.replace(
@@ -449,7 +454,9 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
         document, WORKER_PROFILE,
         "the profile's storage table changed shape"
     );
-    let document = format!("seed_hosts = [\"git://{ip}\"]\n{document}");
+    // A server at a private address: the profile lists it for its seeds' egress, as an
+    // operator with an in-cluster git server does.
+    let document = format!("seed_hosts = [\"git://{ip}\"]\negress = [\"{ip}/32\"]\n{document}");
     let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let thread = |name: &str| SessionIdentity::new(&installation, "agent", "test", name).expect("identity");
@@ -538,15 +545,6 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
             .await
             .expect("close");
     }
-    let _ = pods
-        .delete(
-            &server,
-            &DeleteParams {
-                grace_period_seconds: Some(0),
-                ..DeleteParams::default()
-            },
-        )
-        .await;
     drop(runtime);
     shared.remove().await;
 }
