@@ -16,7 +16,7 @@ use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::TestCluster;
 
-/// The worker image with the ACP test agent behind the relay, on the test provisioner's storage.
+/// The worker image with the ACP test agent behind the relay, on the test cluster's storage class.
 pub const WORKER_PROFILE: &str = r#"
 image = "openab.dev/worker:test"
 image_pull_policy = "Never"
