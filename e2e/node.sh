@@ -55,7 +55,12 @@ node_network_rules() {
     printf '%s\n' "FORWARD -i $bridge ! -o $bridge -j DROP"
   fi
   printf '%s\n' "FORWARD -o $bridge ! -i $bridge -j DROP" "INPUT -i $bridge -j DROP"
-  [ "$1" = iptables ] && printf '%s\n' "INPUT -i $bridge -d $pod_gateway -p tcp --dport $apiserver_port -j ACCEPT"
+  if [ "$1" = iptables ]; then
+    printf '%s\n' "INPUT -i $bridge -d $pod_gateway -p tcp --dport $apiserver_port -j ACCEPT"
+    # The bridge's address (the API server's) answers only this host and its Pods, whatever
+    # another machine routes to it.
+    printf '%s\n' "INPUT ! -i $bridge -d $pod_gateway -m addrtype ! --src-type LOCAL -j DROP"
+  fi
   printf '%s\n' "INPUT -i $bridge -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"
 }
 
@@ -87,9 +92,11 @@ node_network_check() {
     die "the Pod network's ip6tables drop rule of what leaves is missing: no Pod may start"
 }
 
-# The bridge exists before the API server, which listens on its address. (The CNI plugin finds
-# it and keeps it.) Bridged traffic between Pods must pass iptables for NetworkPolicy to apply.
+# The bridge and its rules exist before the API server, which listens on its address. (The CNI
+# plugin finds the bridge and keeps it.) Bridged traffic between Pods must pass iptables for
+# NetworkPolicy to apply.
 node_bridge_up() {
+  node_packages
   if ! ip link show "$bridge" >/dev/null 2>&1; then
     ip link add "$bridge" type bridge || die "could not create bridge $bridge"
   fi
@@ -108,6 +115,8 @@ node_bridge_up() {
   # 6 at once, then 1 a second): a Pod probed for many refusals in a row would see some as
   # silence. Unlimited here, so that a test tells the engine's refusal from a drop.
   sysctl -qw net.ipv4.icmp_ratelimit=0 || die "could not set net.ipv4.icmp_ratelimit"
+  node_network_up
+  node_network_check
 }
 
 write_node_config() {
@@ -220,9 +229,7 @@ import_image() {
 }
 
 node_up() {
-  node_packages
   local started=$SECONDS
-  node_network_up
   node_network_check
   write_node_config
   kubeconfig "$node_dir/kubelet.kubeconfig" "system:node:$node_name" kubelet
