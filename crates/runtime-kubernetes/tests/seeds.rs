@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminConfigMap, DeleteOnDrop, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed};
@@ -21,7 +21,7 @@ use test_cluster::k8s_openapi::api::core::v1::{
 };
 use test_cluster::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster, TestNamespace};
 
@@ -396,8 +396,8 @@ async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refu
 /// A claim every session of a profile borrows, bound by the cluster's provisioner; removed when
 /// dropped.
 struct SharedClaim {
-    claims: Api<PersistentVolumeClaim>,
     name: String,
+    _delete: DeleteOnDrop,
 }
 
 impl SharedClaim {
@@ -425,13 +425,9 @@ impl SharedClaim {
             .await
             .expect("the shared claim");
         SharedClaim {
-            claims,
             name: name.to_owned(),
+            _delete: DeleteOnDrop::new::<PersistentVolumeClaim>(cluster, cluster.sessions_namespace(), name),
         }
-    }
-
-    async fn remove(self) {
-        let _ = self.claims.delete(&self.name, &DeleteParams::default()).await;
     }
 }
 
@@ -546,5 +542,5 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
             .expect("close");
     }
     drop(runtime);
-    shared.remove().await;
+    drop(shared);
 }
