@@ -129,23 +129,30 @@ mod emulator;
 mod error;
 mod faults;
 mod http;
+mod iam;
 mod lifecycle;
 mod local;
 mod proxy;
 mod server;
 mod sessions;
 mod sigv4;
+mod websocket;
 mod worker;
 
 pub use arn::{RuntimeArn, MAX_SESSION_ID_LEN, MIN_SESSION_ID_LEN};
 pub use credentials::TestCredentials;
-pub use emulator::{Emulator, EmulatorBuilder, DEFAULT_ACCOUNT, DEFAULT_REGION, DEFAULT_RUNTIME_ID};
+pub use emulator::{
+    Emulator, EmulatorBuilder, DEFAULT_ACCOUNT, DEFAULT_INVOCATIONS_PER_SECOND, DEFAULT_MAX_ACTIVE_SESSIONS,
+    DEFAULT_REGION, DEFAULT_RUNTIME_ID, DEFAULT_STOP_LATENCY,
+};
 pub use error::{EmulatorError, ErrorKind, ServiceError, WorkerError};
 pub use faults::{Fault, Operation, RequestRecord};
+pub use iam::{IamPolicy, PolicyError};
 pub use lifecycle::Lifecycle;
 pub use local::{LocalLauncher, LocalLauncherBuilder, WorkerCommand};
 pub use session_runtime::config::SandboxMode;
 pub use session_runtime::IsolationLevel;
+pub use websocket::WebSocketLimits;
 pub use worker::{
     read_announcement, RunningWorker, SandboxReport, SessionKey, WorkerLauncher, ANNOUNCEMENT_PREFIX,
 };

@@ -19,6 +19,15 @@ use crate::errors::{Failure, Kind};
 /// How many attempts an idempotent control call gets.
 const CONTROL_ATTEMPTS: u32 = 3;
 
+/// How long a control call keeps retrying `409` conflicts (`RetryableConflictException`): a
+/// stopped session's microVM takes up to 15 s to terminate, and the session answers conflicts
+/// until it has; twice that leaves room. The SDK's own attempts (three, about three seconds)
+/// cannot cover it.
+const CONFLICT_PATIENCE: Duration = Duration::from_secs(30);
+/// The first pause between conflict retries; it doubles up to [`CONFLICT_PAUSE_MAX`].
+const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
+const CONFLICT_PAUSE_MAX: Duration = Duration::from_secs(2);
+
 /// Refresh cached credentials this long before they expire.
 const CREDENTIALS_MARGIN: Duration = Duration::from_secs(300);
 
@@ -81,59 +90,109 @@ impl Aws {
 
     /// Stops the runtime session `runtime_session_id`: its microVM ends at once, cutting every
     /// stream to it. A session that is not running counts as stopped.
+    ///
+    /// # Errors
+    /// The call's [`Failure`] once the SDK's retries (and, for `409` conflicts, up to
+    /// [`CONFLICT_PATIENCE`] of this function's own) are spent.
+    ///
+    /// # Idempotency
+    /// `StopRuntimeSession` is; repeating it is safe.
+    ///
+    /// # Cancellation
+    /// Dropping the future abandons the call; the session may or may not be stopped.
     pub(crate) async fn stop(&self, runtime_session_id: &str) -> Result<Stopped, Failure> {
-        let sent = self
-            .client
-            .stop_runtime_session()
-            .agent_runtime_arn(&self.arn)
-            .qualifier(&self.qualifier)
-            .runtime_session_id(runtime_session_id)
-            .send()
-            .await;
+        let sent = retry_conflicts(|| async {
+            self.client
+                .stop_runtime_session()
+                .agent_runtime_arn(&self.arn)
+                .qualifier(&self.qualifier)
+                .runtime_session_id(runtime_session_id)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|error| failure("StopRuntimeSession", &error))
+        })
+        .await;
         match sent {
-            Ok(_) => Ok(Stopped::Stopped),
-            Err(error) => {
-                let failure = failure("StopRuntimeSession", &error);
-                if failure.kind() == Kind::NotFound {
-                    Ok(Stopped::NotRunning)
-                } else {
-                    Err(failure)
-                }
-            }
+            Ok(()) => Ok(Stopped::Stopped),
+            Err(failure) if failure.kind() == Kind::NotFound => Ok(Stopped::NotRunning),
+            Err(failure) => Err(failure),
         }
     }
 
     /// Sends `payload` to the container's `/invocations` in `runtime_session_id`'s microVM
     /// (starting one if none runs) and returns the answer's body.
+    ///
+    /// # Errors
+    /// The call's [`Failure`] once the SDK's retries (and, for `409` conflicts such as the
+    /// termination window after a stop, up to [`CONFLICT_PATIENCE`] of this function's own) are
+    /// spent.
+    ///
+    /// # Idempotency
+    /// Only for payloads whose effect is idempotent (the wipe request is): a retried call
+    /// delivers the payload again.
+    ///
+    /// # Cancellation
+    /// Dropping the future abandons the call; the container may have received the payload.
     pub(crate) async fn invoke(
         &self,
         runtime_session_id: &str,
         payload: Vec<u8>,
     ) -> Result<Vec<u8>, Failure> {
-        let output = self
-            .client
-            .invoke_agent_runtime()
-            .agent_runtime_arn(&self.arn)
-            .qualifier(&self.qualifier)
-            .runtime_session_id(runtime_session_id)
-            .content_type("text/plain")
-            .accept("application/json")
-            .payload(Blob::new(payload))
-            .send()
-            .await
-            .map_err(|error| failure("InvokeAgentRuntime", &error))?;
-        let body = output.response.collect().await.map_err(|error| Failure {
-            operation: "InvokeAgentRuntime",
-            code: None,
-            status: None,
-            message: format!("reading the answer: {error}"),
-        })?;
-        Ok(body.into_bytes().to_vec())
+        retry_conflicts(|| async {
+            let output = self
+                .client
+                .invoke_agent_runtime()
+                .agent_runtime_arn(&self.arn)
+                .qualifier(&self.qualifier)
+                .runtime_session_id(runtime_session_id)
+                .content_type("text/plain")
+                .accept("application/json")
+                .payload(Blob::new(payload.clone()))
+                .send()
+                .await
+                .map_err(|error| failure("InvokeAgentRuntime", &error))?;
+            let body = output.response.collect().await.map_err(|error| Failure {
+                operation: "InvokeAgentRuntime",
+                code: None,
+                status: None,
+                message: format!("reading the answer: {error}"),
+            })?;
+            Ok(body.into_bytes().to_vec())
+        })
+        .await
     }
 
     /// Credentials for signing the WebSocket upgrade.
     pub(crate) async fn credentials(&self) -> Result<Credentials, Failure> {
         self.credentials.get().await
+    }
+}
+
+/// Runs `call` again while it fails with a conflict ([`Kind::Conflict`]: the session is
+/// changing state, e.g. its microVM is still terminating), pausing between attempts, for up to
+/// [`CONFLICT_PATIENCE`]; any other outcome is returned at once.
+async fn retry_conflicts<T, F, Fut>(mut call: F) -> Result<T, Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Failure>>,
+{
+    let deadline = tokio::time::Instant::now() + CONFLICT_PATIENCE;
+    let mut pause = CONFLICT_PAUSE;
+    loop {
+        match call().await {
+            Err(failure)
+                if failure.kind() == Kind::Conflict && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tracing::debug!(
+                    operation = failure.operation,
+                    "a conflict: the session is changing state, retrying"
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(CONFLICT_PAUSE_MAX);
+            }
+            outcome => return outcome,
+        }
     }
 }
 
