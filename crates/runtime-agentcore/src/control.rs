@@ -39,7 +39,8 @@ pub(crate) struct Aws {
     pub(crate) region: String,
     pub(crate) arn: String,
     pub(crate) qualifier: String,
-    /// `https://bedrock-agentcore.<region>.amazonaws.com` or the configured override.
+    /// The configured `endpoint_url`, else the SDK's endpoint for the region (its partition,
+    /// FIPS and dual-stack settings).
     pub(crate) endpoint: String,
 }
 
@@ -65,11 +66,17 @@ impl Aws {
             loader = loader.credentials_provider(credentials);
         }
         let shared = loader.load().await;
-        let endpoint = config
-            .endpoint_url
-            .clone()
-            .map(|url| url.trim_end_matches('/').to_owned())
-            .unwrap_or_else(|| format!("https://bedrock-agentcore.{region}.amazonaws.com"));
+        let endpoint = match &config.endpoint_url {
+            Some(url) => url.trim_end_matches('/').to_owned(),
+            None => {
+                resolve_endpoint(
+                    &region,
+                    shared.use_fips().unwrap_or(false),
+                    shared.use_dual_stack().unwrap_or(false),
+                )
+                .await
+            }
+        };
         // Control calls are idempotent (StopRuntimeSession carries a client token; the wipe
         // invocation is idempotent by design), so standard retries are safe. Nothing streams
         // through the SDK: the session's stream is the relay's WebSocket.
@@ -166,6 +173,37 @@ impl Aws {
     /// Credentials for signing the WebSocket upgrade.
     pub(crate) async fn credentials(&self) -> Result<Credentials, Failure> {
         self.credentials.get().await
+    }
+}
+
+/// AgentCore's data-plane endpoint for `region`, as the SDK's own rules resolve it: the
+/// partition's domain (`amazonaws.com`, `amazonaws.com.cn`, ...) and the FIPS or dual-stack
+/// variant the SDK configuration asks for (`AWS_USE_FIPS_ENDPOINT`, `use_fips_endpoint` in a
+/// profile). The WebSocket goes to the same host as the SDK's calls.
+///
+/// A region the rules cannot place (the configuration already checked its shape) falls back on
+/// the commercial partition's name, with a warning.
+async fn resolve_endpoint(region: &str, fips: bool, dual_stack: bool) -> String {
+    use aws_sdk_bedrockagentcore::config::endpoint::{DefaultResolver, Params, ResolveEndpoint};
+    let fallback = || format!("https://bedrock-agentcore.{region}.amazonaws.com");
+    let params = match Params::builder()
+        .region(region)
+        .use_fips(fips)
+        .use_dual_stack(dual_stack)
+        .build()
+    {
+        Ok(params) => params,
+        Err(error) => {
+            tracing::warn!(%error, region, "no endpoint rules for the region; using the commercial domain");
+            return fallback();
+        }
+    };
+    match DefaultResolver::new().resolve_endpoint(&params).await {
+        Ok(endpoint) => endpoint.url().trim_end_matches('/').to_owned(),
+        Err(error) => {
+            tracing::warn!(%error, region, "no endpoint rules for the region; using the commercial domain");
+            fallback()
+        }
     }
 }
 
@@ -278,5 +316,42 @@ impl CachedCredentials {
         })?;
         *cached = Some(credentials.clone());
         Ok(credentials)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(arn: &str) -> AgentCoreConfig {
+        AgentCoreConfig::new(arn)
+    }
+
+    /// The endpoint follows the runtime's partition (`amazonaws.com.cn` in China), never a
+    /// hard-coded domain.
+    #[tokio::test]
+    async fn the_default_endpoint_follows_the_partition() {
+        let cases = [
+            (
+                "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/a-AbCdEf1234",
+                "https://bedrock-agentcore.us-east-1.amazonaws.com",
+            ),
+            (
+                "arn:aws-cn:bedrock-agentcore:cn-north-1:123456789012:runtime/a-AbCdEf1234",
+                "https://bedrock-agentcore.cn-north-1.amazonaws.com.cn",
+            ),
+        ];
+        for (arn, expected) in cases {
+            let aws = Aws::load(&config(arn), None).await;
+            assert_eq!(aws.endpoint, expected, "{arn}");
+        }
+    }
+
+    /// A configured endpoint (a VPC endpoint, an emulator) wins over the resolved one.
+    #[tokio::test]
+    async fn a_configured_endpoint_wins() {
+        let mut config = config("arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/a-AbCdEf1234");
+        config.endpoint_url = Some("http://127.0.0.1:4566/".into());
+        assert_eq!(Aws::load(&config, None).await.endpoint, "http://127.0.0.1:4566");
     }
 }
