@@ -288,3 +288,42 @@ async fn websocket_frames_are_activity_only_behind_the_flag() {
         emulator.shutdown().await.expect("shutdown");
     }
 }
+
+/// A `Healthy` worker whose `time_of_last_update` keeps changing is kept (each change restarts
+/// the idle clock); once it stops changing, the session idles out.
+#[tokio::test]
+async fn a_changing_time_of_last_update_restarts_the_idle_clock() {
+    let root = tempfile::tempdir().expect("root");
+    let idle = Duration::from_millis(600);
+    let emulator = emulator_on(root.path())
+        .idle_timeout(idle)
+        .start()
+        .await
+        .expect("emulator starts");
+    let client = client(&emulator);
+    let session = session_id("ticking");
+    invoke_json(&client, &emulator, &session, json!({"op": "ticking", "on": true})).await;
+    tokio::time::sleep(idle * 4).await;
+    assert!(
+        emulator.is_running(&session),
+        "a changing update time keeps the session"
+    );
+    invoke_json(
+        &client,
+        &emulator,
+        &session,
+        json!({"op": "ticking", "on": false}),
+    )
+    .await;
+    let stopped = tokio::time::timeout(PATIENCE, async {
+        while emulator.is_running(&session) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        stopped.is_ok(),
+        "an unchanging update time lets the session idle out"
+    );
+    emulator.shutdown().await.expect("shutdown");
+}
