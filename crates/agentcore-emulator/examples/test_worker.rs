@@ -1,14 +1,15 @@
 //! A tiny stand-in for `oab-relay serve --http 127.0.0.1:0 --agentcore`, for the emulator's own
 //! tests: announces its port like the relay, then serves
 //!
-//! - `GET /ping`: `{"status":"Healthy"}`, or `HealthyBusy` after `{"op":"busy","on":true}`;
+//! - `GET /ping`: `{"status":"Healthy"}`, or `HealthyBusy` after `{"op":"busy","on":true}`, with
+//!   a `time_of_last_update` that changes at every ping after `{"op":"ticking","on":true}`;
 //! - `POST /invocations` with a JSON payload: `{"op":"stream","chunks":N,"gap_ms":M}` streams N
 //!   SSE events; `{"op":"write","name":F,"content":C}` / `{"op":"read","name":F}` use a file in the
 //!   working directory (the session storage); `{"op":"info"}` answers the pid, working directory
 //!   and the session id header it received;
 //! - `GET /ws`: a WebSocket that first sends `hello <session id header>` and then echoes.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +20,10 @@ use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
 use tokio_tungstenite::tungstenite::Message;
 
 static BOOT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// Whether `/ping` reports a new `time_of_last_update` each time.
+static TICKING: AtomicBool = AtomicBool::new(false);
+/// The `time_of_last_update` `/ping` reports.
+static LAST_UPDATE: AtomicU64 = AtomicU64::new(1);
 
 const SESSION_HEADER: &str = "x-amzn-bedrock-agentcore-runtime-session-id";
 
@@ -123,7 +128,15 @@ async fn http(mut stream: TcpStream, busy: Arc<AtomicBool>) -> std::io::Result<(
         } else {
             "Healthy"
         };
-        return json(&mut stream, &serde_json::json!({ "status": status })).await;
+        if TICKING.load(Ordering::Relaxed) {
+            LAST_UPDATE.fetch_add(1, Ordering::Relaxed);
+        }
+        let update = LAST_UPDATE.load(Ordering::Relaxed);
+        return json(
+            &mut stream,
+            &serde_json::json!({ "status": status, "time_of_last_update": update }),
+        )
+        .await;
     }
     if !head.starts_with("POST /invocations") {
         return stream
@@ -166,6 +179,13 @@ async fn http(mut stream: TcpStream, busy: Arc<AtomicBool>) -> std::io::Result<(
         }
         "busy" => {
             busy.store(
+                payload.get("on").and_then(|v| v.as_bool()).unwrap_or(false),
+                Ordering::Relaxed,
+            );
+            json(&mut stream, &serde_json::json!({ "ok": true })).await
+        }
+        "ticking" => {
+            TICKING.store(
                 payload.get("on").and_then(|v| v.as_bool()).unwrap_or(false),
                 Ordering::Relaxed,
             );

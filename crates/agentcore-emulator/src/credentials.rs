@@ -2,8 +2,13 @@
 
 use std::fmt;
 
+use crate::iam::IamPolicy;
+
 /// The static credentials the emulator verifies SigV4 signatures against: an access key id, its
 /// secret and, optionally, a session token (as temporary credentials have).
+///
+/// Every request they sign is authorized against their [`IamPolicy`] (default: allow all, as
+/// an administrator's; [`with_policy`](Self::with_policy) gives them the broker role's).
 ///
 /// `Debug` redacts the secret and the token.
 #[derive(Clone, PartialEq, Eq)]
@@ -11,6 +16,7 @@ pub struct TestCredentials {
     access_key_id: String,
     secret_access_key: String,
     session_token: Option<String>,
+    policy: IamPolicy,
 }
 
 impl TestCredentials {
@@ -25,7 +31,20 @@ impl TestCredentials {
             access_key_id: access_key_id.into(),
             secret_access_key: secret_access_key.into(),
             session_token: None,
+            policy: IamPolicy::allow_all(),
         }
+    }
+
+    /// The same credentials with `policy` as their identity-based policy: a request it does not
+    /// allow is `403 AccessDeniedException`.
+    pub fn with_policy(mut self, policy: IamPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Their policy.
+    pub fn policy(&self) -> &IamPolicy {
+        &self.policy
     }
 
     /// The same credentials with a session token, which every request must then carry

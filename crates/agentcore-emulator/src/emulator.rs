@@ -1,11 +1,13 @@
 //! [`Emulator`] and its [`EmulatorBuilder`].
 
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -16,8 +18,9 @@ use crate::error::{EmulatorError, WorkerError};
 use crate::faults::{Fault, FaultPlan, Operation, RequestLog, RequestRecord};
 use crate::lifecycle::{self, Lifecycle};
 use crate::local::{LocalLauncher, WorkerCommand};
-use crate::server::{self, Shared};
+use crate::server::{self, Quotas, Shared};
 use crate::sessions::Sessions;
+use crate::websocket::WebSocketLimits;
 use crate::worker::{SandboxReport, SessionKey, WorkerLauncher};
 
 /// The runtime id the emulator serves unless told otherwise.
@@ -46,7 +49,21 @@ pub struct EmulatorBuilder {
     credentials: TestCredentials,
     lifecycle: Lifecycle,
     workers: Option<Workers>,
+    websocket: WebSocketLimits,
+    stream_bytes_are_activity: bool,
+    invocations_per_second: usize,
+    max_active_sessions: usize,
+    stop_latency: Duration,
+    chunk_invocation_bodies: bool,
 }
+
+/// AgentCore's quota of `InvokeAgentRuntime` calls (WebSocket upgrades included) per second
+/// per endpoint.
+pub const DEFAULT_INVOCATIONS_PER_SECOND: usize = 25;
+/// AgentCore's quota of active sessions (microVMs) per account in the largest regions.
+pub const DEFAULT_MAX_ACTIVE_SESSIONS: usize = 1000;
+/// How long AgentCore may take to terminate a stopped session's microVM.
+pub const DEFAULT_STOP_LATENCY: Duration = Duration::from_secs(15);
 
 impl EmulatorBuilder {
     /// The region the emulated runtimes live in (and signatures must be scoped to).
@@ -101,6 +118,53 @@ impl EmulatorBuilder {
         self
     }
 
+    /// The WebSocket quotas per connection (default [`WebSocketLimits::default`]: 32 KB frames,
+    /// 250 frames per second each way, 60 minutes). A connection breaking one is closed.
+    pub fn websocket_limits(mut self, limits: WebSocketLimits) -> Self {
+        self.websocket = limits;
+        self
+    }
+
+    /// Whether WebSocket frames count as session activity for the idle timeout (default
+    /// `false`: AgentCore documents only invocations and `/ping` as what keeps a session; this
+    /// flag models the other reading, for comparison).
+    pub fn stream_bytes_are_activity(mut self, counted: bool) -> Self {
+        self.stream_bytes_are_activity = counted;
+        self
+    }
+
+    /// The most `InvokeAgentRuntime` calls and WebSocket upgrades per second per endpoint
+    /// (default [`DEFAULT_INVOCATIONS_PER_SECOND`]); more are `429 ThrottlingException`.
+    pub fn invocations_per_second(mut self, quota: usize) -> Self {
+        self.invocations_per_second = quota;
+        self
+    }
+
+    /// The most sessions with a running microVM at once (default
+    /// [`DEFAULT_MAX_ACTIVE_SESSIONS`]); a call that would start one more is
+    /// `402 ServiceQuotaExceededException`.
+    pub fn max_active_sessions(mut self, quota: usize) -> Self {
+        self.max_active_sessions = quota;
+        self
+    }
+
+    /// How long a stopped session's microVM takes to terminate (default
+    /// [`DEFAULT_STOP_LATENCY`]): its streams are cut at once, and invocations of the session
+    /// meanwhile are `409 RetryableConflictException`.
+    pub fn stop_latency(mut self, latency: Duration) -> Self {
+        self.stop_latency = latency;
+        self
+    }
+
+    /// Forwards every `InvokeAgentRuntime` body to the container chunked
+    /// (`Transfer-Encoding: chunked`, several chunks), not only those the client sent chunked
+    /// (default `false`). AgentCore's front is a streaming proxy whose framing towards the
+    /// container is not documented; this makes a container prove it reads both.
+    pub fn chunk_invocation_bodies(mut self, chunked: bool) -> Self {
+        self.chunk_invocation_bodies = chunked;
+        self
+    }
+
     /// Runs workers with the default [`LocalLauncher`] (sandbox `auto`, falling back to plain
     /// processes; storage under a fresh temporary root) running `command`.
     pub fn worker_command(mut self, command: WorkerCommand) -> Self {
@@ -134,14 +198,24 @@ impl EmulatorBuilder {
                 format!("{bad:?} is not a runtime id like name-AbCdEf1234"),
             );
         }
-        if let Some(bad) = self
-            .qualifiers
-            .iter()
-            .find(|q| q.is_empty() || q.contains(['/', '&', '?']))
-        {
+        if let Some(bad) = self.qualifiers.iter().find(|q| !server::valid_qualifier(q)) {
             return invalid("qualifier", format!("{bad:?} is not an endpoint name"));
         }
         for (key, value) in [
+            ("websocket_limits.max_frame_bytes", self.websocket.max_frame_bytes),
+            (
+                "websocket_limits.max_frames_per_second",
+                self.websocket.max_frames_per_second,
+            ),
+            ("invocations_per_second", self.invocations_per_second),
+            ("max_active_sessions", self.max_active_sessions),
+        ] {
+            if value == 0 {
+                return invalid(key, "must be at least 1".into());
+            }
+        }
+        for (key, value) in [
+            ("websocket_limits.max_duration", self.websocket.max_duration),
             ("idle_timeout", self.lifecycle.idle_timeout),
             ("max_lifetime", self.lifecycle.max_lifetime),
             ("storage_expiry", self.lifecycle.storage_expiry),
@@ -187,10 +261,17 @@ impl EmulatorBuilder {
             qualifiers,
             credentials: self.credentials,
             token_expired: AtomicBool::new(false),
-            sessions: Sessions::new(launcher),
+            sessions: Sessions::new(launcher, self.stop_latency, self.max_active_sessions),
             faults: FaultPlan::default(),
             log: RequestLog::default(),
             shutdown: CancellationToken::new(),
+            quotas: Quotas {
+                websocket: self.websocket,
+                stream_bytes_are_activity: self.stream_bytes_are_activity,
+                invocations_per_second: self.invocations_per_second,
+                chunk_invocation_bodies: self.chunk_invocation_bodies,
+            },
+            calls: Mutex::new(HashMap::new()),
         });
         let tasks = vec![
             tokio::spawn(server::serve(Arc::clone(&shared), listener)),
@@ -229,6 +310,12 @@ impl Emulator {
             credentials: TestCredentials::default(),
             lifecycle: Lifecycle::default(),
             workers: None,
+            websocket: WebSocketLimits::default(),
+            stream_bytes_are_activity: false,
+            invocations_per_second: DEFAULT_INVOCATIONS_PER_SECOND,
+            max_active_sessions: DEFAULT_MAX_ACTIVE_SESSIONS,
+            stop_latency: DEFAULT_STOP_LATENCY,
+            chunk_invocation_bodies: false,
         }
     }
 
@@ -336,8 +423,8 @@ impl Emulator {
         self.shared.faults.arm(operation, count, fault);
     }
 
-    /// Delays every chunk forwarded from a worker to a client (invocation bodies and WebSocket
-    /// bytes) by `delay`; `None` ends it.
+    /// Delays every chunk of an invocation's answer forwarded from a worker to a client by
+    /// `delay`; `None` ends it.
     pub fn slow_stream(&self, delay: Option<Duration>) {
         self.shared.faults.set_chunk_delay(delay);
     }

@@ -37,6 +37,17 @@ pub enum ErrorKind {
     IncompleteSignature,
     /// 403: the session token has expired.
     ExpiredToken,
+    /// 401 `UnauthorizedException` (modelled for `StopRuntimeSession`): the caller is not
+    /// authorized.
+    Unauthorized,
+    /// 402 `ServiceQuotaExceededException`: a quota, such as the active sessions (microVMs)
+    /// per account, is used up.
+    ServiceQuotaExceeded,
+    /// 409 `RetryableConflictException`: the session is busy changing state (its microVM is
+    /// still terminating after a stop); the same call succeeds later.
+    RetryableConflict,
+    /// 409 `ConflictException` (modelled for `StopRuntimeSession`).
+    Conflict,
 }
 
 impl ErrorKind {
@@ -55,6 +66,10 @@ impl ErrorKind {
             ErrorKind::InvalidSignature => "InvalidSignatureException",
             ErrorKind::IncompleteSignature => "IncompleteSignatureException",
             ErrorKind::ExpiredToken => "ExpiredTokenException",
+            ErrorKind::Unauthorized => "UnauthorizedException",
+            ErrorKind::ServiceQuotaExceeded => "ServiceQuotaExceededException",
+            ErrorKind::RetryableConflict => "RetryableConflictException",
+            ErrorKind::Conflict => "ConflictException",
         }
     }
 
@@ -69,6 +84,9 @@ impl ErrorKind {
             | ErrorKind::IncompleteSignature
             | ErrorKind::ExpiredToken => 403,
             ErrorKind::ResourceNotFound => 404,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::ServiceQuotaExceeded => 402,
+            ErrorKind::RetryableConflict | ErrorKind::Conflict => 409,
             ErrorKind::Throttling => 429,
             ErrorKind::RuntimeClientError => 424,
             ErrorKind::InternalServer => 500,
@@ -93,6 +111,10 @@ impl ErrorKind {
             ErrorKind::InvalidSignature => INVALID_SIGNATURE_MESSAGE,
             ErrorKind::IncompleteSignature => "The request signature does not conform to AWS standards.",
             ErrorKind::ExpiredToken => "The security token included in the request is expired",
+            ErrorKind::Unauthorized => "Unauthorized",
+            ErrorKind::ServiceQuotaExceeded => "Service quota exceeded",
+            ErrorKind::RetryableConflict => "The session is being terminated. Retry later.",
+            ErrorKind::Conflict => "A conflicting operation is in progress",
         }
     }
 }

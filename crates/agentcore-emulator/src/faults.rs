@@ -50,6 +50,14 @@ pub enum Fault {
     RuntimeClientError,
     /// 503 `ServiceUnavailableException` (the SDK retries it).
     ServiceUnavailable,
+    /// 401 `UnauthorizedException`.
+    Unauthorized,
+    /// 402 `ServiceQuotaExceededException`.
+    ServiceQuotaExceeded,
+    /// 409 `RetryableConflictException` (the SDK retries it).
+    RetryableConflict,
+    /// 409 `ConflictException`.
+    Conflict,
 }
 
 impl Fault {
@@ -62,6 +70,10 @@ impl Fault {
             Fault::AccessDenied => ErrorKind::AccessDenied,
             Fault::RuntimeClientError => ErrorKind::RuntimeClientError,
             Fault::ServiceUnavailable => ErrorKind::ServiceUnavailable,
+            Fault::Unauthorized => ErrorKind::Unauthorized,
+            Fault::ServiceQuotaExceeded => ErrorKind::ServiceQuotaExceeded,
+            Fault::RetryableConflict => ErrorKind::RetryableConflict,
+            Fault::Conflict => ErrorKind::Conflict,
         };
         ServiceError::of(kind)
     }

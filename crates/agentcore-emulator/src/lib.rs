@@ -37,9 +37,9 @@
 //!
 //! | request | behaviour |
 //! |---|---|
-//! | `POST /runtimes/{arn}/invocations?qualifier=Q` | starts the session's worker if none runs, sends the payload to its `POST /invocations` (with the session id header, content type, accept, user id and trace headers), and streams its answer back chunk by chunk with the worker's content type. A worker answering non-2xx, or one that cannot be reached or started, is `424 RuntimeClientError`. |
-//! | `POST /runtimes/{arn}/stopruntimesession?qualifier=Q` | stops the session's worker now, cutting its in-flight streams (the client sees its stream fail); storage stays. A session with no running worker (never seen, already stopped, timed out) is `404 ResourceNotFoundException`: the emulator's choice, since the service's answer there is undocumented. |
-//! | `GET /runtimes/{arn}/ws?qualifier=Q` (WebSocket upgrade) | after verification, starts the worker if needed, sends the upgrade to its `GET /ws` with the session id header and the client's `Sec-WebSocket-*` headers, passes the worker's answer on and splices bytes both ways. |
+//! | `POST /runtimes/{arn}/invocations?qualifier=Q` | starts the session's worker if none runs, sends the payload to its `POST /invocations` (with the session id header, content type, accept, user id and trace headers; chunked when the client sent it chunked or [`EmulatorBuilder::chunk_invocation_bodies`] asks), and streams its answer back chunk by chunk with the worker's content type. A worker answering non-2xx, or one that cannot be reached or started, is `424 RuntimeClientError`. |
+//! | `POST /runtimes/{arn}/stopruntimesession?qualifier=Q` | stops the session's worker now, cutting its in-flight streams (the client sees its stream fail); storage stays. The microVM then takes [`EmulatorBuilder::stop_latency`] (default 15 s) to terminate: invocations and upgrades of the session meanwhile are `409 RetryableConflictException`. A session with no running worker (never seen, already stopped, timed out, terminating) is `404 ResourceNotFoundException`: the emulator's choice, since the service's answer there is undocumented. |
+//! | `GET /runtimes/{arn}/ws?qualifier=Q` (WebSocket upgrade) | after verification, starts the worker if needed, sends the upgrade to its `GET /ws` with the session id header and the client's `Sec-WebSocket-*` headers, passes the worker's answer on, then passes WebSocket frames both ways, each parsed and passed whole, under the front's quotas ([`WebSocketLimits`]: 32 KB frames, 250 frames per second each way, 60 minutes per connection); a connection breaking one is closed (the client gets a close frame: 1009 for a frame too large, 1008 for the rate, 1001 at the duration cap). |
 //!
 //! Shared by all three: the session id comes from the `X-Amzn-Bedrock-AgentCore-Runtime-Session-Id`
 //! header (or, for presigned URLs, the query parameter of that name) and must be 33 to 256
@@ -50,8 +50,21 @@
 //! are kept alive across requests unless the client sends `Connection: close`; a cut stream
 //! closes its connection.
 //!
-//! Checks happen in AWS's order: route, signature, runtime, qualifier, session id, then an armed
-//! fault, then the worker.
+//! Checks happen in AWS's order: route, signature, runtime, qualifier (its pattern
+//! `[a-zA-Z][a-zA-Z0-9_]{0,47}`, `400 ValidationException`, then whether the endpoint exists),
+//! the caller's IAM policy, session id, the invocation rate (25 invocations and upgrades per
+//! second per endpoint, `429 ThrottlingException`), an armed fault, the termination window
+//! (`409`), the active-session cap (1,000 running workers, `402 ServiceQuotaExceededException`),
+//! then the worker.
+//!
+//! # IAM
+//!
+//! Every request is authorized against the [`IamPolicy`] of the credentials that signed it
+//! ([`TestCredentials::with_policy`]; default: allow all). The actions are
+//! `bedrock-agentcore:InvokeAgentRuntime`, `bedrock-agentcore:StopRuntimeSession` and, for the
+//! upgrade, `bedrock-agentcore:InvokeAgentRuntimeWithWebSocketStream`; each must be allowed on the
+//! runtime's ARN and on its endpoint's (`<runtime ARN>/runtime-endpoint/<qualifier>`). A refusal
+//! is `403 AccessDeniedException` with IAM's wording.
 //!
 //! # Signatures
 //!
@@ -83,20 +96,25 @@
 //!
 //! # Lifecycle
 //!
-//! [`Lifecycle`]: idle timeout (900 s; a request or any stream byte is activity; at the timeout a
-//! worker whose `/ping` answers `{"status":"HealthyBusy"}` is kept), maximum lifetime (8 h; the
-//! worker is stopped at that age even mid-stream), storage expiry (14 days without use). All
-//! can be set down to milliseconds for tests. The emulator does not enforce AgentCore's
+//! [`Lifecycle`]: idle timeout (900 s), as AgentCore documents it: the clock restarts at every
+//! request for the session and while an invocation's answer streams, whenever the worker's
+//! `/ping` (asked every tick) answers `{"status":"HealthyBusy"}`, and whenever the
+//! `time_of_last_update` it reports changes; frames on an open WebSocket restart it only with
+//! [`EmulatorBuilder::stream_bytes_are_activity`]. Maximum lifetime (8 h; the worker is stopped at
+//! that age even mid-stream), storage expiry (14 days without use). All can be set down to
+//! milliseconds for tests. The emulator does not enforce AgentCore's
 //! 60 s minimum or idle ≤ lifetime.
 //!
 //! # Faults
 //!
 //! [`Emulator::fail_next`] makes the next N calls of an [`Operation`] answer a [`Fault`]
 //! (500 `InternalServerException`, 429 `ThrottlingException`, 403 `ExpiredTokenException`,
-//! 403 `AccessDeniedException`, 424 `RuntimeClientError`, 503 `ServiceUnavailableException`);
+//! 403 `AccessDeniedException`, 424 `RuntimeClientError`, 503 `ServiceUnavailableException`,
+//! 401 `UnauthorizedException`, 402 `ServiceQuotaExceededException`, 409
+//! `RetryableConflictException`, 409 `ConflictException`);
 //! a faulted call never reaches a worker. [`Emulator::drop_websockets`] cuts every open
 //! WebSocket of a session (both directions; the worker keeps running).
-//! [`Emulator::slow_stream`] delays every chunk forwarded from a worker. [`Emulator::requests`]
+//! [`Emulator::slow_stream`] delays every chunk of an invocation's answer. [`Emulator::requests`]
 //! is the request log ([`RequestRecord`]: operation, session id, qualifier, the SDK's
 //! `amz-sdk-request` attempt header, status), e.g. to assert that a stream was not retried.
 //!
@@ -111,17 +129,19 @@
 //!
 //! # What it does not emulate
 //!
-//! - IAM: any request signed with the test credentials may do anything (`AccessDenied` only as
-//!   a fault); no `InvokeAgentRuntimeForUser` check for `runtimeUserId`.
+//! - IAM beyond identity policies of `Effect`/`Action`/`Resource` (no conditions, resource
+//!   policies or SCPs); no `InvokeAgentRuntimeForUser` check for `runtimeUserId`.
 //! - `InvokeAgentRuntimeCommand`, the `/ws/shells` interactive shell, MCP/A2A/AG-UI protocols,
 //!   OAuth (JWT) inbound auth, the control plane (`GetAgentRuntime` …), runtime versions other
 //!   than the reset of storage.
 //! - microVM isolation: workers are processes under the local sandbox, with the host's network.
-//! - Quotas, the 15/60 min request and stream caps, payload and chunk size limits other than a
-//!   100 MB request body, cold-start latency, termination taking up to 15 s.
+//! - The 15-minute cap on synchronous invocations, payload and chunk size limits other than a
+//!   100 MB request body, cold-start latency, the control plane's quotas.
+//! - Session storage's reported limits (1 GB, no hard links, FIFOs, UNIX sockets, xattrs or
+//!   `fallocate`, absent until the first invocation): the storage is a plain host directory.
 //! - TLS: plain `http://` and `ws://` only.
-//! - The service's exact answer for a stopped session (404 here) and whether an open but silent
-//!   WebSocket counts as activity (it does not here: only bytes do).
+//! - The service's exact answer for a stopped session (404 here), and whether WebSocket frames
+//!   count as activity (not documented; not here unless the flag says so).
 
 mod arn;
 mod credentials;
@@ -129,23 +149,30 @@ mod emulator;
 mod error;
 mod faults;
 mod http;
+mod iam;
 mod lifecycle;
 mod local;
 mod proxy;
 mod server;
 mod sessions;
 mod sigv4;
+mod websocket;
 mod worker;
 
 pub use arn::{RuntimeArn, MAX_SESSION_ID_LEN, MIN_SESSION_ID_LEN};
 pub use credentials::TestCredentials;
-pub use emulator::{Emulator, EmulatorBuilder, DEFAULT_ACCOUNT, DEFAULT_REGION, DEFAULT_RUNTIME_ID};
+pub use emulator::{
+    Emulator, EmulatorBuilder, DEFAULT_ACCOUNT, DEFAULT_INVOCATIONS_PER_SECOND, DEFAULT_MAX_ACTIVE_SESSIONS,
+    DEFAULT_REGION, DEFAULT_RUNTIME_ID, DEFAULT_STOP_LATENCY,
+};
 pub use error::{EmulatorError, ErrorKind, ServiceError, WorkerError};
 pub use faults::{Fault, Operation, RequestRecord};
+pub use iam::{IamPolicy, PolicyError};
 pub use lifecycle::Lifecycle;
 pub use local::{LocalLauncher, LocalLauncherBuilder, WorkerCommand};
 pub use session_runtime::config::SandboxMode;
 pub use session_runtime::IsolationLevel;
+pub use websocket::WebSocketLimits;
 pub use worker::{
     read_announcement, RunningWorker, SandboxReport, SessionKey, WorkerLauncher, ANNOUNCEMENT_PREFIX,
 };

@@ -1,5 +1,11 @@
-//! The platform's clock: idle timeout (kept alive by a worker answering `HealthyBusy`), maximum
-//! lifetime, and session storage expiry.
+//! The platform's clock: the idle timeout as AgentCore documents it, the maximum lifetime, and
+//! session storage expiry.
+//!
+//! The idle clock of a running session restarts at every request for it (an invocation, a
+//! WebSocket upgrade), whenever its `/ping` answers `HealthyBusy`, and whenever the
+//! `time_of_last_update` its `/ping` reports changes; frames on an open WebSocket restart it only
+//! with [`EmulatorBuilder::stream_bytes_are_activity`](crate::EmulatorBuilder::stream_bytes_are_activity).
+//! A session whose clock reaches the idle timeout is stopped.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,8 +16,8 @@ use crate::server::Shared;
 /// AgentCore's lifecycle settings for the emulated runtimes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lifecycle {
-    /// A session with no request and no stream traffic for this long is stopped, unless its
-    /// worker's `/ping` answers `HealthyBusy` (default 900 s).
+    /// A session whose idle clock (see the module docs) reaches this is stopped (default 900 s,
+    /// AgentCore's `idleRuntimeSessionTimeout`).
     pub idle_timeout: Duration,
     /// A worker is stopped at this age, even mid-stream (default 8 h).
     pub max_lifetime: Duration,
@@ -61,18 +67,21 @@ pub(crate) async fn run(shared: Arc<Shared>, lifecycle: Lifecycle) {
                         .stop(&session, "maximum lifetime", Some(&ticket))
                         .await;
                 }
-                Some(ticket) if session.idle_for() >= lifecycle.idle_timeout => {
-                    if proxy::is_busy(ticket.addr).await {
-                        // Background work: the platform keeps the session and restarts the clock.
+                Some(ticket) => {
+                    // AgentCore asks `/ping` continually; a worker that does not answer is not
+                    // busy and reports nothing new.
+                    let status = proxy::ping(ticket.addr).await;
+                    let update = status.and_then(|status| status.time_of_last_update);
+                    let busy = status.is_some_and(|status| status.busy);
+                    if session.note_reported_update(update) || busy {
                         session.touch();
-                    } else {
+                    } else if session.idle_for() >= lifecycle.idle_timeout {
                         let _ = shared
                             .sessions
                             .stop(&session, "idle timeout", Some(&ticket))
                             .await;
                     }
                 }
-                Some(_) => {}
                 None if session.idle_for() >= lifecycle.storage_expiry => {
                     if let Err(error) = shared.sessions.reset(&session, "session storage expired").await {
                         tracing::warn!(%error, session = session.key.session_id(), "storage expiry failed");

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ErrorKind, ServiceError};
 use crate::http::{self, BodyFraming, Conn, HttpError, Request, ResponseHead};
 use crate::sessions::Session;
+use crate::websocket::{self, WebSocketLimits};
 use crate::SESSION_HEADER;
 
 /// How long connecting to a worker and reading its response head may take.
@@ -84,12 +85,17 @@ pub(crate) struct Invocation {
     head: ResponseHead,
 }
 
-/// Sends `request`'s payload to the worker's `/invocations` and reads its response head.
+/// The size of the chunks a chunked invocation body is forwarded in.
+const INVOCATION_CHUNK: usize = 16;
+
+/// Sends `request`'s payload to the worker's `/invocations` (chunked when the client sent it so,
+/// or when `chunked`) and reads its response head.
 pub(crate) async fn start_invocation(
     addr: SocketAddr,
     session_id: &str,
     request: &Request,
     stopped: &CancellationToken,
+    chunked: bool,
 ) -> Result<Invocation, ServiceError> {
     let stream = connect(addr).await?;
     let mut worker = Conn::new(stream);
@@ -103,13 +109,31 @@ pub(crate) async fn start_invocation(
     if request.header("content-type").is_none() {
         head.push_str("content-type: application/octet-stream\r\n");
     }
-    head.push_str(&format!(
-        "content-length: {}\r\nconnection: close\r\n\r\n",
-        request.body.len()
-    ));
+    // A body the client streamed (chunked) goes on chunked, as a streaming front passes it;
+    // `chunked` forces that for every body.
+    let client_chunked = request
+        .header("transfer-encoding")
+        .is_some_and(|value| value.to_ascii_lowercase().contains("chunked"));
+    let chunked = chunked || client_chunked;
+    if chunked {
+        head.push_str("transfer-encoding: chunked\r\nconnection: close\r\n\r\n");
+    } else {
+        head.push_str(&format!(
+            "content-length: {}\r\nconnection: close\r\n\r\n",
+            request.body.len()
+        ));
+    }
     let sent = async {
         worker.stream.write_all(head.as_bytes()).await?;
-        worker.stream.write_all(&request.body).await?;
+        if chunked {
+            // Several chunks, as a stream would arrive, so a reader must loop over them.
+            for piece in request.body.chunks(INVOCATION_CHUNK) {
+                http::write_chunk(&mut worker.stream, piece).await?;
+            }
+            http::write_last_chunk(&mut worker.stream).await?;
+        } else {
+            worker.stream.write_all(&request.body).await?;
+        }
         worker.stream.flush().await
     };
     sent.await.map_err(unreachable_worker)?;
@@ -229,76 +253,58 @@ pub(crate) async fn start_upgrade(
     Ok(Upgrade { head, worker })
 }
 
-/// Passes the worker's `101` on and splices both connections until either side ends or `cut`
-/// fires (then both are cut at once). Every chunk counts as session activity.
+/// Passes the worker's `101` on, then the frames both ways under the front's WebSocket quotas
+/// ([`websocket::run`]) until either side ends, a quota is broken, or `cut` fires (then both
+/// are cut at once). Frames count as session activity only when `frames_are_activity`.
 pub(crate) async fn splice(
     upgrade: Upgrade,
     client: Conn<TcpStream>,
     session: &Session,
     cut: &CancellationToken,
-    chunk_delay: impl Fn() -> Option<Duration>,
-) {
+    limits: WebSocketLimits,
+    frames_are_activity: bool,
+) -> websocket::Ended {
     let Upgrade { head, mut worker } = upgrade;
     let Conn {
         stream: mut client_stream,
         buffered: client_early,
     } = client;
-    let forwarded = async {
-        client_stream.write_all(&head.raw).await?;
-        client_stream
-            .write_all(&std::mem::take(&mut worker.buffered))
-            .await?;
-        worker.stream.write_all(&client_early).await?;
-        io::Result::Ok(())
-    };
-    if forwarded.await.is_err() {
-        return;
+    if client_stream.write_all(&head.raw).await.is_err() {
+        return websocket::Ended::Normally;
     }
-    let (mut from_client, mut to_client) = client_stream.into_split();
-    let (mut from_worker, mut to_worker) = worker.stream.into_split();
-    let mut up = vec![0u8; 16384];
-    let mut down = vec![0u8; 16384];
-    let (mut client_open, mut worker_open) = (true, true);
-    while client_open || worker_open {
-        tokio::select! {
-            _ = cut.cancelled() => break,
-            read = from_client.read(&mut up), if client_open => match read {
-                Ok(0) | Err(_) => {
-                    client_open = false;
-                    let _ = to_worker.shutdown().await;
-                }
-                Ok(n) => {
-                    session.touch();
-                    if to_worker.write_all(&up[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            },
-            read = from_worker.read(&mut down), if worker_open => match read {
-                Ok(0) | Err(_) => {
-                    worker_open = false;
-                    let _ = to_client.shutdown().await;
-                }
-                Ok(n) => {
-                    if let Some(delay) = chunk_delay() {
-                        tokio::select! {
-                            _ = cut.cancelled() => break,
-                            _ = tokio::time::sleep(delay) => {}
-                        }
-                    }
-                    session.touch();
-                    if to_client.write_all(&down[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            },
+    let worker_early = std::mem::take(&mut worker.buffered);
+    let (from_client, to_client) = client_stream.into_split();
+    let (from_worker, to_worker) = worker.stream.into_split();
+    // Bytes read past the heads belong to the first frames.
+    let from_client = io::Cursor::new(client_early).chain(from_client);
+    let from_worker = io::Cursor::new(worker_early).chain(from_worker);
+    let on_frame = || {
+        if frames_are_activity {
+            session.touch();
         }
-    }
+    };
+    websocket::run(
+        (from_client, to_client),
+        (from_worker, to_worker),
+        limits,
+        cut,
+        &on_frame,
+    )
+    .await
     // Dropping the halves closes both sockets: a cut reaches both peers.
 }
 
-/// Asks the worker's `/ping` whether it is busy (`{"status":"HealthyBusy"}`).
-pub(crate) async fn is_busy(addr: SocketAddr) -> bool {
+/// What a worker's `/ping` said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PingStatus {
+    /// `{"status":"HealthyBusy"}`.
+    pub(crate) busy: bool,
+    /// Its `time_of_last_update`, if it gave one.
+    pub(crate) time_of_last_update: Option<u64>,
+}
+
+/// Asks the worker's `/ping`; `None` if it does not answer with a status in time.
+pub(crate) async fn ping(addr: SocketAddr) -> Option<PingStatus> {
     let ask = async {
         let stream = connect(addr).await.ok()?;
         let mut conn = Conn::new(stream);
@@ -307,11 +313,15 @@ pub(crate) async fn is_busy(addr: SocketAddr) -> bool {
         let head = conn.read_response_head().await.ok()?;
         let body = conn.read_response_body(&head).await.ok()?;
         let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
-        Some(value.get("status")?.as_str()? == "HealthyBusy")
+        Some(PingStatus {
+            busy: value.get("status")?.as_str()? == "HealthyBusy",
+            time_of_last_update: value
+                .get("time_of_last_update")
+                .and_then(serde_json::Value::as_u64),
+        })
     };
     tokio::time::timeout(Duration::from_secs(2), ask)
         .await
         .ok()
         .flatten()
-        .unwrap_or(false)
 }

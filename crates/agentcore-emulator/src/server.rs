@@ -1,9 +1,12 @@
 //! The front: accepts connections on 127.0.0.1, reads requests (several per connection when
 //! the client keeps it alive), verifies them, and dispatches the three operations.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::Mutex;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -13,9 +16,11 @@ use crate::credentials::TestCredentials;
 use crate::error::{ErrorKind, ServiceError};
 use crate::faults::{FaultPlan, Operation, RequestLog, RequestRecord};
 use crate::http::{self, Conn, Request};
+use crate::iam;
 use crate::proxy::{self, After};
-use crate::sessions::Sessions;
+use crate::sessions::{NoWorker, Session, Sessions, Ticket};
 use crate::sigv4::{self, Expectation};
+use crate::websocket::{Ended, WebSocketLimits};
 use crate::worker::SessionKey;
 use crate::{SESSION_HEADER, SESSION_QUERY_PARAM};
 
@@ -34,6 +39,20 @@ pub(crate) struct Shared {
     pub(crate) faults: FaultPlan,
     pub(crate) log: RequestLog,
     pub(crate) shutdown: CancellationToken,
+    pub(crate) quotas: Quotas,
+    /// Recent `InvokeAgentRuntime` and WebSocket calls per endpoint, for the TPS quota.
+    pub(crate) calls: Mutex<HashMap<(RuntimeArn, String), VecDeque<Instant>>>,
+}
+
+/// The service quotas and platform behaviours the front enforces (see [`EmulatorBuilder`]).
+///
+/// [`EmulatorBuilder`]: crate::EmulatorBuilder
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Quotas {
+    pub(crate) websocket: WebSocketLimits,
+    pub(crate) stream_bytes_are_activity: bool,
+    pub(crate) invocations_per_second: usize,
+    pub(crate) chunk_invocation_bodies: bool,
 }
 
 /// Accepts connections until shutdown.
@@ -178,13 +197,15 @@ async fn handle(
         }
         Operation::Invoke => {
             let started = async {
-                let ticket = shared
-                    .sessions
-                    .ensure_worker(&session)
-                    .await
-                    .map_err(|e| ServiceError::new(ErrorKind::RuntimeClientError, e.to_string()))?;
-                let invocation =
-                    proxy::start_invocation(ticket.addr, &session_id, &request, &ticket.stopped).await?;
+                let ticket = worker_for(shared, &session).await?;
+                let invocation = proxy::start_invocation(
+                    ticket.addr,
+                    &session_id,
+                    &request,
+                    &ticket.stopped,
+                    shared.quotas.chunk_invocation_bodies,
+                )
+                .await?;
                 Ok::<_, ServiceError>((ticket, invocation))
             };
             match started.await {
@@ -217,11 +238,7 @@ async fn handle(
         }
         Operation::WebSocket => {
             let started = async {
-                let ticket = shared
-                    .sessions
-                    .ensure_worker(&session)
-                    .await
-                    .map_err(|e| ServiceError::new(ErrorKind::RuntimeClientError, e.to_string()))?;
+                let ticket = worker_for(shared, &session).await?;
                 let upgrade =
                     proxy::start_upgrade(ticket.addr, &session_id, &request, &ticket.stopped).await?;
                 Ok::<_, ServiceError>((ticket, upgrade))
@@ -261,7 +278,18 @@ async fn handle(
                         }
                         relay_cut.cancel();
                     });
-                    proxy::splice(upgrade, conn, &session, &cut, || shared.faults.chunk_delay()).await;
+                    let ended = proxy::splice(
+                        upgrade,
+                        conn,
+                        &session,
+                        &cut,
+                        shared.quotas.websocket,
+                        shared.quotas.stream_bytes_are_activity,
+                    )
+                    .await;
+                    if let Ended::Quota(code, reason) = ended {
+                        tracing::info!(code, %reason, session = %session_id, "a WebSocket broke a quota");
+                    }
                     cut.cancel();
                     let _ = watch.await;
                     None
@@ -271,8 +299,51 @@ async fn handle(
     }
 }
 
+/// The session's running worker, started if none runs: refused with 409 while a stop is still
+/// terminating its microVM, and with 402 when starting one would exceed the active session quota.
+async fn worker_for(shared: &Shared, session: &Session) -> Result<Ticket, ServiceError> {
+    if session.is_terminating() {
+        return Err(ServiceError::new(
+            ErrorKind::RetryableConflict,
+            format!(
+                "Runtime session '{}' is being terminated. Retry after it has stopped.",
+                session.key.session_id()
+            ),
+        ));
+    }
+    shared
+        .sessions
+        .ensure_worker(session)
+        .await
+        .map_err(|error| match error {
+            NoWorker::AtCapacity(quota) => ServiceError::new(
+                ErrorKind::ServiceQuotaExceeded,
+                format!("The account has reached its quota of {quota} active runtime sessions"),
+            ),
+            NoWorker::Failed(error) => ServiceError::new(ErrorKind::RuntimeClientError, error.to_string()),
+        })
+}
+
+/// Counts a call on an endpoint against the invocations-per-second quota; `false` if it is over.
+fn admit_call(shared: &Shared, runtime: &RuntimeArn, qualifier: &str) -> bool {
+    let now = Instant::now();
+    let mut calls = shared.calls.lock();
+    let recent = calls.entry((runtime.clone(), qualifier.to_owned())).or_default();
+    while recent
+        .front()
+        .is_some_and(|&at| now.duration_since(at) >= Duration::from_secs(1))
+    {
+        recent.pop_front();
+    }
+    if recent.len() >= shared.quotas.invocations_per_second {
+        return false;
+    }
+    recent.push_back(now);
+    true
+}
+
 /// Finds the operation, verifies the signature, the runtime, the qualifier and the session id,
-/// and applies an armed fault, in the order AWS's front does.
+/// the caller's IAM policy, and applies an armed fault, in the order AWS's front does.
 fn route(shared: &Shared, request: &Request, record: &mut RequestRecord) -> Result<Routed, ServiceError> {
     let segments: Vec<&str> = request.path().split('/').collect();
     let (label, operation) = match segments.as_slice() {
@@ -308,12 +379,27 @@ fn route(shared: &Shared, request: &Request, record: &mut RequestRecord) -> Resu
     let qualifier = request
         .query_param("qualifier")
         .unwrap_or_else(|| DEFAULT_QUALIFIER.to_owned());
+    if !valid_qualifier(&qualifier) {
+        return Err(ServiceError::new(
+            ErrorKind::Validation,
+            format!(
+                "1 validation error detected: Value '{qualifier}' at 'qualifier' failed to satisfy constraint: Member must satisfy regular expression pattern: [a-zA-Z][a-zA-Z0-9_]{{0,47}}"
+            ),
+        ));
+    }
     if !shared.qualifiers.contains(&qualifier) {
         return Err(ServiceError::new(
             ErrorKind::ResourceNotFound,
             format!("No endpoint or agent found with qualifier '{qualifier}' for agent '{runtime}'"),
         ));
     }
+    iam::authorize(
+        shared.credentials.policy(),
+        shared.credentials.access_key_id(),
+        operation,
+        &runtime,
+        &qualifier,
+    )?;
     let session_id = validate_session_id(record.session_id.as_deref())?;
     if operation == Operation::WebSocket {
         let upgrade = request
@@ -326,6 +412,15 @@ fn route(shared: &Shared, request: &Request, record: &mut RequestRecord) -> Resu
             ));
         }
     }
+    if operation != Operation::Stop && !admit_call(shared, &runtime, &qualifier) {
+        return Err(ServiceError::new(
+            ErrorKind::Throttling,
+            format!(
+                "Rate exceeded: more than {} invocations per second on this endpoint",
+                shared.quotas.invocations_per_second
+            ),
+        ));
+    }
     if let Some(fault) = shared.faults.take(operation) {
         return Err(fault.error());
     }
@@ -333,6 +428,14 @@ fn route(shared: &Shared, request: &Request, record: &mut RequestRecord) -> Resu
         operation,
         key: SessionKey::new(runtime, session_id),
     })
+}
+
+/// Whether `qualifier` fits the service's pattern for endpoint names, `[a-zA-Z][a-zA-Z0-9_]{0,47}`.
+pub(crate) fn valid_qualifier(qualifier: &str) -> bool {
+    let mut chars = qualifier.chars();
+    chars.next().is_some_and(|first| first.is_ascii_alphabetic())
+        && qualifier.len() <= 48
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// The runtime a path label names: a percent-encoded ARN, or a bare runtime id with the

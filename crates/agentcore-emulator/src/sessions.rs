@@ -47,6 +47,11 @@ pub(crate) struct Session {
     last_activity: Mutex<Instant>,
     /// Cancelled (and replaced) to drop every open WebSocket of the session.
     websockets: Mutex<CancellationToken>,
+    /// Until when the last stop is still terminating the microVM: requests meanwhile get
+    /// `409 RetryableConflictException`.
+    terminating_until: Mutex<Option<Instant>>,
+    /// The `time_of_last_update` the worker's `/ping` last reported.
+    reported_update: Mutex<Option<u64>>,
 }
 
 impl Session {
@@ -57,7 +62,25 @@ impl Session {
             current: Mutex::new(None),
             last_activity: Mutex::new(Instant::now()),
             websockets: Mutex::new(CancellationToken::new()),
+            terminating_until: Mutex::new(None),
+            reported_update: Mutex::new(None),
         }
+    }
+
+    /// Notes the `time_of_last_update` a `/ping` reported; whether it changed since the last
+    /// one (the first report of a worker counts as a change).
+    pub(crate) fn note_reported_update(&self, reported: Option<u64>) -> bool {
+        let mut last = self.reported_update.lock();
+        let changed = reported.is_some() && *last != reported;
+        *last = reported;
+        changed
+    }
+
+    /// Whether a stop of this session is still terminating its microVM.
+    pub(crate) fn is_terminating(&self) -> bool {
+        self.terminating_until
+            .lock()
+            .is_some_and(|until| Instant::now() < until)
     }
 
     /// Records activity now (a request, or bytes on a stream).
@@ -92,14 +115,37 @@ impl Session {
 pub(crate) struct Sessions {
     map: Mutex<HashMap<SessionKey, Arc<Session>>>,
     launcher: Arc<dyn WorkerLauncher>,
+    /// How long a stopped session's microVM takes to terminate.
+    stop_latency: Duration,
+    /// The most sessions with a running worker at once (AgentCore's active session quota).
+    max_active: usize,
+}
+
+/// Why no worker could be had for a session.
+#[derive(Debug)]
+pub(crate) enum NoWorker {
+    /// As many sessions as the quota allows already run.
+    AtCapacity(usize),
+    /// The launcher failed.
+    Failed(WorkerError),
 }
 
 impl Sessions {
-    pub(crate) fn new(launcher: Arc<dyn WorkerLauncher>) -> Self {
+    pub(crate) fn new(launcher: Arc<dyn WorkerLauncher>, stop_latency: Duration, max_active: usize) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
             launcher,
+            stop_latency,
+            max_active,
         }
+    }
+
+    /// How many sessions have a running worker.
+    fn active(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|session| session.ticket().is_some())
+            .count()
     }
 
     pub(crate) fn launcher(&self) -> &Arc<dyn WorkerLauncher> {
@@ -127,12 +173,21 @@ impl Sessions {
     }
 
     /// The running worker of `session`, started now if none runs.
-    pub(crate) async fn ensure_worker(&self, session: &Session) -> Result<Ticket, WorkerError> {
+    ///
+    /// A new worker beyond the active session quota is refused ([`NoWorker::AtCapacity`]).
+    pub(crate) async fn ensure_worker(&self, session: &Session) -> Result<Ticket, NoWorker> {
         let mut worker = session.worker.lock().await;
         if let Some(live) = worker.as_ref() {
             return Ok(live.ticket.clone());
         }
-        let started = self.launcher.start(&session.key).await?;
+        if self.active() >= self.max_active {
+            return Err(NoWorker::AtCapacity(self.max_active));
+        }
+        let started = self
+            .launcher
+            .start(&session.key)
+            .await
+            .map_err(NoWorker::Failed)?;
         let ticket = Ticket {
             addr: started.address(),
             stopped: CancellationToken::new(),
@@ -167,6 +222,7 @@ impl Sessions {
             return Ok(false);
         }
         *session.current.lock() = None;
+        *session.terminating_until.lock() = Some(Instant::now() + self.stop_latency);
         live.ticket.stopped.cancel();
         tracing::debug!(
             session = session.key.session_id(),

@@ -24,6 +24,8 @@ async fn each_fault_answers_its_error_type_and_status_and_never_reaches_a_worker
         (Fault::AccessDenied, "AccessDeniedException", 403),
         (Fault::RuntimeClientError, "RuntimeClientError", 424),
         (Fault::ServiceUnavailable, "ServiceUnavailableException", 503),
+        (Fault::ServiceQuotaExceeded, "ServiceQuotaExceededException", 402),
+        (Fault::RetryableConflict, "RetryableConflictException", 409),
     ];
     for (fault, code, status) in cases {
         emulator.fail_next(Operation::Invoke, 1, fault);
@@ -47,6 +49,8 @@ async fn each_fault_answers_its_error_type_and_status_and_never_reaches_a_worker
             Fault::InternalServer => assert!(error.is_internal_server_exception()),
             Fault::AccessDenied => assert!(error.is_access_denied_exception()),
             Fault::RuntimeClientError => assert!(error.is_runtime_client_error()),
+            Fault::ServiceQuotaExceeded => assert!(error.is_service_quota_exceeded_exception()),
+            Fault::RetryableConflict => assert!(error.is_retryable_conflict_exception()),
             _ => {}
         }
     }
@@ -61,6 +65,26 @@ async fn each_fault_answers_its_error_type_and_status_and_never_reaches_a_worker
         .await
         .expect_err("faulted stop");
     assert!(stop.into_service_error().is_access_denied_exception());
+    for (fault, check) in [
+        (
+            Fault::Unauthorized,
+            (|e: &aws_sdk_bedrockagentcore::operation::stop_runtime_session::StopRuntimeSessionError| {
+                e.is_unauthorized_exception()
+            }) as fn(&_) -> bool,
+        ),
+        (Fault::Conflict, |e| e.is_conflict_exception()),
+        (Fault::RetryableConflict, |e| e.is_retryable_conflict_exception()),
+    ] {
+        emulator.fail_next(Operation::Stop, 1, fault);
+        let stop = client
+            .stop_runtime_session()
+            .agent_runtime_arn(emulator.runtime_arn().to_string())
+            .runtime_session_id(&session)
+            .send()
+            .await
+            .expect_err("faulted stop");
+        assert!(check(&stop.into_service_error()), "{fault:?}");
+    }
     emulator.shutdown().await.expect("shutdown");
 }
 

@@ -19,6 +19,15 @@ use crate::errors::{Failure, Kind};
 /// How many attempts an idempotent control call gets.
 const CONTROL_ATTEMPTS: u32 = 3;
 
+/// How long a control call keeps retrying `409` conflicts (`RetryableConflictException`): a
+/// stopped session's microVM takes up to 15 s to terminate, and the session answers conflicts
+/// until it has; twice that leaves room. The SDK's own attempts (three, about three seconds)
+/// cannot cover it.
+const CONFLICT_PATIENCE: Duration = Duration::from_secs(30);
+/// The first pause between conflict retries; it doubles up to [`CONFLICT_PAUSE_MAX`].
+const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
+const CONFLICT_PAUSE_MAX: Duration = Duration::from_secs(2);
+
 /// Refresh cached credentials this long before they expire.
 const CREDENTIALS_MARGIN: Duration = Duration::from_secs(300);
 
@@ -30,7 +39,8 @@ pub(crate) struct Aws {
     pub(crate) region: String,
     pub(crate) arn: String,
     pub(crate) qualifier: String,
-    /// `https://bedrock-agentcore.<region>.amazonaws.com` or the configured override.
+    /// The configured `endpoint_url`, else the SDK's endpoint for the region (its partition,
+    /// FIPS and dual-stack settings).
     pub(crate) endpoint: String,
 }
 
@@ -56,11 +66,17 @@ impl Aws {
             loader = loader.credentials_provider(credentials);
         }
         let shared = loader.load().await;
-        let endpoint = config
-            .endpoint_url
-            .clone()
-            .map(|url| url.trim_end_matches('/').to_owned())
-            .unwrap_or_else(|| format!("https://bedrock-agentcore.{region}.amazonaws.com"));
+        let endpoint = match &config.endpoint_url {
+            Some(url) => url.trim_end_matches('/').to_owned(),
+            None => {
+                resolve_endpoint(
+                    &region,
+                    shared.use_fips().unwrap_or(false),
+                    shared.use_dual_stack().unwrap_or(false),
+                )
+                .await
+            }
+        };
         // Control calls are idempotent (StopRuntimeSession carries a client token; the wipe
         // invocation is idempotent by design), so standard retries are safe. Nothing streams
         // through the SDK: the session's stream is the relay's WebSocket.
@@ -81,59 +97,140 @@ impl Aws {
 
     /// Stops the runtime session `runtime_session_id`: its microVM ends at once, cutting every
     /// stream to it. A session that is not running counts as stopped.
+    ///
+    /// # Errors
+    /// The call's [`Failure`] once the SDK's retries (and, for `409` conflicts, up to
+    /// [`CONFLICT_PATIENCE`] of this function's own) are spent.
+    ///
+    /// # Idempotency
+    /// `StopRuntimeSession` is; repeating it is safe.
+    ///
+    /// # Cancellation
+    /// Dropping the future abandons the call; the session may or may not be stopped.
     pub(crate) async fn stop(&self, runtime_session_id: &str) -> Result<Stopped, Failure> {
-        let sent = self
-            .client
-            .stop_runtime_session()
-            .agent_runtime_arn(&self.arn)
-            .qualifier(&self.qualifier)
-            .runtime_session_id(runtime_session_id)
-            .send()
-            .await;
+        let sent = retry_conflicts(|| async {
+            self.client
+                .stop_runtime_session()
+                .agent_runtime_arn(&self.arn)
+                .qualifier(&self.qualifier)
+                .runtime_session_id(runtime_session_id)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|error| failure("StopRuntimeSession", &error))
+        })
+        .await;
         match sent {
-            Ok(_) => Ok(Stopped::Stopped),
-            Err(error) => {
-                let failure = failure("StopRuntimeSession", &error);
-                if failure.kind() == Kind::NotFound {
-                    Ok(Stopped::NotRunning)
-                } else {
-                    Err(failure)
-                }
-            }
+            Ok(()) => Ok(Stopped::Stopped),
+            Err(failure) if failure.kind() == Kind::NotFound => Ok(Stopped::NotRunning),
+            Err(failure) => Err(failure),
         }
     }
 
     /// Sends `payload` to the container's `/invocations` in `runtime_session_id`'s microVM
     /// (starting one if none runs) and returns the answer's body.
+    ///
+    /// # Errors
+    /// The call's [`Failure`] once the SDK's retries (and, for `409` conflicts such as the
+    /// termination window after a stop, up to [`CONFLICT_PATIENCE`] of this function's own) are
+    /// spent.
+    ///
+    /// # Idempotency
+    /// Only for payloads whose effect is idempotent (the wipe request is): a retried call
+    /// delivers the payload again.
+    ///
+    /// # Cancellation
+    /// Dropping the future abandons the call; the container may have received the payload.
     pub(crate) async fn invoke(
         &self,
         runtime_session_id: &str,
         payload: Vec<u8>,
     ) -> Result<Vec<u8>, Failure> {
-        let output = self
-            .client
-            .invoke_agent_runtime()
-            .agent_runtime_arn(&self.arn)
-            .qualifier(&self.qualifier)
-            .runtime_session_id(runtime_session_id)
-            .content_type("text/plain")
-            .accept("application/json")
-            .payload(Blob::new(payload))
-            .send()
-            .await
-            .map_err(|error| failure("InvokeAgentRuntime", &error))?;
-        let body = output.response.collect().await.map_err(|error| Failure {
-            operation: "InvokeAgentRuntime",
-            code: None,
-            status: None,
-            message: format!("reading the answer: {error}"),
-        })?;
-        Ok(body.into_bytes().to_vec())
+        retry_conflicts(|| async {
+            let output = self
+                .client
+                .invoke_agent_runtime()
+                .agent_runtime_arn(&self.arn)
+                .qualifier(&self.qualifier)
+                .runtime_session_id(runtime_session_id)
+                .content_type("text/plain")
+                .accept("application/json")
+                .payload(Blob::new(payload.clone()))
+                .send()
+                .await
+                .map_err(|error| failure("InvokeAgentRuntime", &error))?;
+            let body = output.response.collect().await.map_err(|error| Failure {
+                operation: "InvokeAgentRuntime",
+                code: None,
+                status: None,
+                message: format!("reading the answer: {error}"),
+            })?;
+            Ok(body.into_bytes().to_vec())
+        })
+        .await
     }
 
     /// Credentials for signing the WebSocket upgrade.
     pub(crate) async fn credentials(&self) -> Result<Credentials, Failure> {
         self.credentials.get().await
+    }
+}
+
+/// AgentCore's data-plane endpoint for `region`, as the SDK's own rules resolve it: the
+/// partition's domain (`amazonaws.com`, `amazonaws.com.cn`, ...) and the FIPS or dual-stack
+/// variant the SDK configuration asks for (`AWS_USE_FIPS_ENDPOINT`, `use_fips_endpoint` in a
+/// profile). The WebSocket goes to the same host as the SDK's calls.
+///
+/// A region the rules cannot place (the configuration already checked its shape) falls back on
+/// the commercial partition's name, with a warning.
+async fn resolve_endpoint(region: &str, fips: bool, dual_stack: bool) -> String {
+    use aws_sdk_bedrockagentcore::config::endpoint::{DefaultResolver, Params, ResolveEndpoint};
+    let fallback = || format!("https://bedrock-agentcore.{region}.amazonaws.com");
+    let params = match Params::builder()
+        .region(region)
+        .use_fips(fips)
+        .use_dual_stack(dual_stack)
+        .build()
+    {
+        Ok(params) => params,
+        Err(error) => {
+            tracing::warn!(%error, region, "no endpoint rules for the region; using the commercial domain");
+            return fallback();
+        }
+    };
+    match DefaultResolver::new().resolve_endpoint(&params).await {
+        Ok(endpoint) => endpoint.url().trim_end_matches('/').to_owned(),
+        Err(error) => {
+            tracing::warn!(%error, region, "no endpoint rules for the region; using the commercial domain");
+            fallback()
+        }
+    }
+}
+
+/// Runs `call` again while it fails with a conflict ([`Kind::Conflict`]: the session is
+/// changing state, e.g. its microVM is still terminating), pausing between attempts, for up to
+/// [`CONFLICT_PATIENCE`]; any other outcome is returned at once.
+async fn retry_conflicts<T, F, Fut>(mut call: F) -> Result<T, Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Failure>>,
+{
+    let deadline = tokio::time::Instant::now() + CONFLICT_PATIENCE;
+    let mut pause = CONFLICT_PAUSE;
+    loop {
+        match call().await {
+            Err(failure)
+                if failure.kind() == Kind::Conflict && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tracing::debug!(
+                    operation = failure.operation,
+                    "a conflict: the session is changing state, retrying"
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(CONFLICT_PAUSE_MAX);
+            }
+            outcome => return outcome,
+        }
     }
 }
 
@@ -219,5 +316,42 @@ impl CachedCredentials {
         })?;
         *cached = Some(credentials.clone());
         Ok(credentials)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(arn: &str) -> AgentCoreConfig {
+        AgentCoreConfig::new(arn)
+    }
+
+    /// The endpoint follows the runtime's partition (`amazonaws.com.cn` in China), never a
+    /// hard-coded domain.
+    #[tokio::test]
+    async fn the_default_endpoint_follows_the_partition() {
+        let cases = [
+            (
+                "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/a-AbCdEf1234",
+                "https://bedrock-agentcore.us-east-1.amazonaws.com",
+            ),
+            (
+                "arn:aws-cn:bedrock-agentcore:cn-north-1:123456789012:runtime/a-AbCdEf1234",
+                "https://bedrock-agentcore.cn-north-1.amazonaws.com.cn",
+            ),
+        ];
+        for (arn, expected) in cases {
+            let aws = Aws::load(&config(arn), None).await;
+            assert_eq!(aws.endpoint, expected, "{arn}");
+        }
+    }
+
+    /// A configured endpoint (a VPC endpoint, an emulator) wins over the resolved one.
+    #[tokio::test]
+    async fn a_configured_endpoint_wins() {
+        let mut config = config("arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/a-AbCdEf1234");
+        config.endpoint_url = Some("http://127.0.0.1:4566/".into());
+        assert_eq!(Aws::load(&config, None).await.endpoint, "http://127.0.0.1:4566");
     }
 }

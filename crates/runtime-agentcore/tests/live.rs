@@ -9,7 +9,13 @@
 //! ```
 //!
 //! Optional: `OAB_AGENTCORE_QUALIFIER` (default `DEFAULT`), `OAB_AGENTCORE_SESSION_STORAGE=false`
-//! for a runtime without session storage.
+//! for a runtime without session storage, `OAB_AGENTCORE_QUIET_MINUTES` (default 16: past the
+//! runtime's default 15-minute idle timeout) for the quiet attach.
+//!
+//! The runtime's image must run `acp-test-agent` as its agent: build `deploy/agentcore/Dockerfile`
+//! with the binary copied in (`COPY acp-test-agent /usr/local/bin/`) and
+//! `CMD ["/usr/local/bin/acp-test-agent"]`. Its `/size=N` directive makes the agent's answer
+//! lines larger than AgentCore's 32 KB frame quota.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +44,60 @@ async fn initialize(attachment: &mut session_runtime::Attachment) -> String {
             return line;
         }
     }
+}
+
+/// Reads lines until the answer to `id`.
+async fn until_answer(attachment: &mut session_runtime::Attachment, id: u64) -> Vec<String> {
+    let mut reader = BufReader::new(attachment.output());
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(300), reader.read_line(&mut line))
+            .await
+            .expect("the agent answers within 5 minutes")
+            .expect("read");
+        assert!(read > 0, "the stream ended before the agent answered");
+        let done = line.contains(&format!(r#""id":{id}"#)) && !line.contains(r#""method""#);
+        lines.push(line);
+        if done {
+            return lines;
+        }
+    }
+}
+
+/// `session/new` in the attachment's working directory; the ACP session id.
+async fn new_chat(attachment: &mut session_runtime::Attachment) -> String {
+    let cwd = serde_json::to_string(attachment.working_dir()).expect("JSON");
+    attachment
+        .input()
+        .write_line(format!(
+            r#"{{"jsonrpc":"2.0","id":2,"method":"session/new","params":{{"cwd":{cwd},"mcpServers":[]}}}}"#
+        ))
+        .await
+        .expect("write session/new");
+    let lines = until_answer(attachment, 2).await;
+    let answer: serde_json::Value = serde_json::from_str(lines.last().expect("an answer")).expect("JSON");
+    answer["result"]["sessionId"]
+        .as_str()
+        .expect("a session id")
+        .to_owned()
+}
+
+async fn prompt(
+    attachment: &mut session_runtime::Attachment,
+    chat: &str,
+    id: u64,
+    text: &str,
+) -> Vec<String> {
+    let text = serde_json::to_string(text).expect("JSON");
+    attachment
+        .input()
+        .write_line(format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"session/prompt","params":{{"sessionId":"{chat}","prompt":[{{"type":"text","text":{text}}}]}}}}"#
+        ))
+        .await
+        .expect("write the prompt");
+    until_answer(attachment, id).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,6 +134,35 @@ async fn a_session_lives_suspends_resumes_and_closes_on_a_real_runtime() {
         attachment.working_dir()
     );
     println!("initialize: {}", initialize(&mut attachment).await.trim());
+
+    // A burst above AgentCore's 32 KB frame quota, both ways: a 40 KB prompt, answered by
+    // chunks of 80 KB.
+    let chat = new_chat(&mut attachment).await;
+    let started = Instant::now();
+    let lines = prompt(
+        &mut attachment,
+        &chat,
+        3,
+        &format!("/chunks=3 /size=40000 {}", "p".repeat(40_000)),
+    )
+    .await;
+    let big = lines.iter().filter(|line| line.len() > 80_000).count();
+    assert_eq!(big, 3, "three chunks of more than 80 KB each");
+    println!("a 240 KB burst took {:?}", started.elapsed());
+
+    // A quiet attach past the idle timeout: the relay's /ping says HealthyBusy while the broker
+    // is attached, so AgentCore must not end the session.
+    let quiet = std::env::var("OAB_AGENTCORE_QUIET_MINUTES")
+        .ok()
+        .and_then(|m| m.parse::<u64>().ok())
+        .unwrap_or(16);
+    println!("staying attached and quiet for {quiet} minutes");
+    tokio::time::sleep(Duration::from_secs(quiet * 60)).await;
+    let lines = prompt(&mut attachment, &chat, 4, "still there").await;
+    assert!(
+        lines.iter().any(|line| line.contains("still there")),
+        "the same agent answers after the quiet attach: {lines:?}"
+    );
     drop(attachment);
 
     runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");

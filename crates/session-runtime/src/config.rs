@@ -1041,8 +1041,8 @@ pub struct AgentCoreConfig {
     /// if set it must be that region.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<String>,
-    /// The runtime endpoint (qualifier) to invoke: letters, digits, `_` and `-`, up to 100
-    /// characters. Default `None`: [`AgentCoreConfig::DEFAULT_QUALIFIER`].
+    /// The runtime endpoint (qualifier) to invoke: a letter, then up to 47 letters, digits or
+    /// `_` (AgentCore's pattern). Default `None`: [`AgentCoreConfig::DEFAULT_QUALIFIER`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qualifier: Option<String>,
     /// The data-plane endpoint, for a VPC endpoint or a test emulator: `https://<host>[:port]`, or
@@ -1193,16 +1193,16 @@ impl AgentCoreConfig {
             }
         }
         if let Some(qualifier) = &self.qualifier {
-            let ok = !qualifier.is_empty()
-                && qualifier.len() <= 100
-                && qualifier
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            // AgentCore's pattern for endpoint names: `[a-zA-Z][a-zA-Z0-9_]{0,47}`.
+            let mut bytes = qualifier.bytes();
+            let ok = bytes.next().is_some_and(|first| first.is_ascii_alphabetic())
+                && qualifier.len() <= 48
+                && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
             if !ok {
                 return Err(invalid(
                     "agentcore.qualifier",
                     format!(
-                        "expected an endpoint name of 1 to 100 letters, digits, `_` or `-`, e.g. \"DEFAULT\", found {qualifier:?}"
+                        "expected an endpoint name: a letter, then up to 47 letters, digits or `_` (AgentCore's pattern [a-zA-Z][a-zA-Z0-9_]{{0,47}}), e.g. \"DEFAULT\", found {qualifier:?}"
                     ),
                 ));
             }
@@ -1618,6 +1618,14 @@ mod tests {
             ),
             ("start_timeout = \"0s\"", "agentcore.start_timeout"),
             ("start_timeout = \"2h\"", "agentcore.start_timeout"),
+            // The service's pattern for endpoint names is `[a-zA-Z][a-zA-Z0-9_]{0,47}`.
+            ("qualifier = \"my-endpoint\"", "agentcore.qualifier"),
+            ("qualifier = \"1st\"", "agentcore.qualifier"),
+            ("qualifier = \"_x\"", "agentcore.qualifier"),
+            (
+                "qualifier = \"a234567890123456789012345678901234567890123456789\"",
+                "agentcore.qualifier",
+            ),
         ] {
             match parse(extra) {
                 Err(Error::InvalidConfig { key: got, .. }) => {

@@ -148,10 +148,13 @@ impl RelayError {
                 id,
                 cause: cause.clone(),
             },
+            // The last failure says why (a quota, throttling, a cold start that took too long):
+            // the operator needs it, not only that the budget ran out.
             RelayError::GaveUp {
                 ever_connected: false,
+                last,
                 ..
-            } => backend(true, "could not reach the worker relay"),
+            } => backend(true, &format!("could not reach the worker relay: {last}")),
             _ => Error::Disconnected { id },
         }
     }

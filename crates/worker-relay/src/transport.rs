@@ -243,10 +243,60 @@ pub(crate) fn websocket_config() -> WebSocketConfig {
         .max_frame_size(Some(2 * MAX_PAYLOAD))
 }
 
-/// Turns an open WebSocket into a byte stream: bytes written go out as binary messages, and
-/// binary messages received are read back in order (message boundaries carry no meaning; the
-/// protocol's own framing does). A close or text message ends the stream. A task bridges the two;
-/// it ends when both sides are closed.
+/// The largest WebSocket message the bridge sends: AgentCore closes a connection that carries a
+/// frame above 32 KB (a service quota), and tungstenite sends each message as one frame. Half the
+/// quota leaves room whether "KB" means 1,000 or 1,024 bytes, and for the frame's own header.
+pub const MAX_WEBSOCKET_MESSAGE: usize = 16 * 1024;
+
+/// The most WebSocket messages the bridge sends per second: AgentCore allows 250 frames per
+/// second per connection; 200 (after a burst of 40) leaves room for the control frames (pong,
+/// close) tungstenite sends on its own. With [`MAX_WEBSOCKET_MESSAGE`] that is 3.2 MB/s each way,
+/// far above any agent's output rate.
+pub const MAX_WEBSOCKET_MESSAGES_PER_SECOND: u32 = 200;
+
+/// A token bucket for outgoing messages: [`PACE_BURST`] may go at once, then one more every
+/// `1 s / MAX_WEBSOCKET_MESSAGES_PER_SECOND`. Any one-second window so holds at most
+/// `PACE_BURST + MAX_WEBSOCKET_MESSAGES_PER_SECOND` messages (240, under AgentCore's 250), while a
+/// chat's occasional messages never wait.
+struct MessagePace {
+    tokens: f64,
+    refilled: tokio::time::Instant,
+}
+
+/// How many messages may go back to back before the pace applies.
+const PACE_BURST: f64 = 40.0;
+
+impl MessagePace {
+    fn new() -> Self {
+        Self {
+            tokens: PACE_BURST,
+            refilled: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Waits until one more message may go, and takes its token.
+    async fn next(&mut self) {
+        let rate = f64::from(MAX_WEBSOCKET_MESSAGES_PER_SECOND);
+        let now = tokio::time::Instant::now();
+        let earned = now.duration_since(self.refilled).as_secs_f64() * rate;
+        self.tokens = (self.tokens + earned).min(PACE_BURST);
+        self.refilled = now;
+        if self.tokens < 1.0 {
+            let wait = std::time::Duration::from_secs_f64((1.0 - self.tokens) / rate);
+            tokio::time::sleep(wait).await;
+            self.tokens = 1.0;
+            self.refilled = tokio::time::Instant::now();
+        }
+        self.tokens -= 1.0;
+    }
+}
+
+/// Turns an open WebSocket into a byte stream: bytes written go out as binary messages of at most
+/// [`MAX_WEBSOCKET_MESSAGE`] bytes, at most [`MAX_WEBSOCKET_MESSAGES_PER_SECOND`] a second (a
+/// burst waits, and what the writer adds meanwhile joins the next message), and binary messages
+/// received are read back in order (message boundaries carry no meaning; the protocol's own
+/// framing does). A close or text message ends the stream. A task bridges the two; it ends when
+/// both sides are closed.
 pub fn websocket_stream<S>(socket: WebSocketStream<S>) -> DuplexStream
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
@@ -263,14 +313,23 @@ where
     let (mut far_read, mut far_write) = tokio::io::split(far);
     let (mut sink, mut stream) = socket.split();
     let outgoing = async move {
+        let mut pace = MessagePace::new();
         let mut buf = BytesMut::with_capacity(64 * 1024);
-        loop {
+        'read: loop {
             buf.reserve(64 * 1024);
             match far_read.read_buf(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
-                    if sink.send(Message::Binary(buf.split().freeze())).await.is_err() {
-                        break;
+                    while !buf.is_empty() {
+                        pace.next().await;
+                        let take = buf.len().min(MAX_WEBSOCKET_MESSAGE);
+                        if sink
+                            .send(Message::Binary(buf.split_to(take).freeze()))
+                            .await
+                            .is_err()
+                        {
+                            break 'read;
+                        }
                     }
                 }
             }

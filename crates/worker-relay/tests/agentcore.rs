@@ -341,3 +341,96 @@ async fn the_agentcore_images_entrypoint_is_a_command_line_the_relay_accepts() {
         "{line}"
     );
 }
+
+/// `body` as a chunked `/invocations` request, in chunks of `size` bytes and with a trailer, as
+/// a streaming front may forward it.
+fn chunked_invocation(header: &RuntimeSessionId, body: &[u8], size: usize) -> String {
+    let mut request = format!(
+        "POST /invocations HTTP/1.1\r\nHost: relay\r\n{SESSION_HEADER}: {header}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    for chunk in body.chunks(size) {
+        request.push_str(&format!(
+            "{:x}\r\n{}\r\n",
+            chunk.len(),
+            String::from_utf8_lossy(chunk)
+        ));
+    }
+    request.push_str("0\r\nx-trailer: ignored\r\n\r\n");
+    request
+}
+
+/// A wipe request whose body arrives chunked is read whole: close and reconcile would otherwise
+/// retry it forever, each time starting a microVM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_wipe_request_is_read_and_honoured() {
+    use worker_relay::agentcore::wipe_request;
+    let dir = tempfile::tempdir().expect("a workdir");
+    std::fs::write(dir.path().join("file"), b"work").expect("a file");
+    let session = common::session("agentcore-chunked-wipe");
+    let (_relay, http) = start(session, dir.path()).await;
+    let header = runtime_session(session, 1, &key());
+    let (mut attachment, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("attach");
+    assert_eq!(read_line(&mut attachment).await.expect("a line"), "previous-gone");
+    let token = key().token(session.as_str(), 1);
+    let (status, response) = http_status(http, chunked_invocation(&header, &wipe_request(&token), 7)).await;
+    assert_eq!(status, 200, "{response}");
+    assert!(response.contains(r#""wiped":true"#), "{response}");
+    assert!(!dir.path().join("file").exists(), "the storage was emptied");
+}
+
+/// AgentCore adds its platform headers and up to 20 allow-listed ones to a request: a head with
+/// 60 headers is read, not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_the_platforms_many_headers_is_read() {
+    let dir = tempfile::tempdir().expect("a workdir");
+    let session = common::session("agentcore-headers");
+    let (_relay, http) = start(session, dir.path()).await;
+    let extra: String = (0..60)
+        .map(|n| {
+            format!(
+                "X-Amzn-Bedrock-AgentCore-Runtime-Custom-H{n}: {}\r\n",
+                "v".repeat(100)
+            )
+        })
+        .collect();
+    let (status, ping) = http_status(http, format!("GET /ping HTTP/1.1\r\nHost: relay\r\n{extra}\r\n")).await;
+    assert_eq!(status, 200, "{ping}");
+}
+
+/// `/ping` says `HealthyBusy` while a broker is attached, however quiet, and `Healthy` once it
+/// left, with the time it left as `time_of_last_update`, even though output is unacknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_is_busy_exactly_while_a_broker_is_attached() {
+    let dir = tempfile::tempdir().expect("a workdir");
+    let session = common::session("agentcore-ping");
+    let (_relay, http) = start(session, dir.path()).await;
+    let header = runtime_session(session, 1, &key());
+    let ping = || http_status(http, "GET /ping HTTP/1.1\r\nHost: relay\r\n\r\n".into());
+    let (mut attachment, _) = attach(http, &header, session, 1, 1, &key())
+        .await
+        .expect("attach");
+    assert_eq!(read_line(&mut attachment).await.expect("a line"), "previous-gone");
+    let (_, attached) = ping().await;
+    assert!(attached.contains(r#""status":"HealthyBusy""#), "{attached}");
+    // Input the agent echoes after the broker left stays unacknowledged.
+    attachment.input().write_line("unread").await.expect("write");
+    drop(attachment);
+    let left = within("the relay sees the broker leave", async {
+        loop {
+            let (_, answer) = ping().await;
+            if answer.contains(r#""status":"Healthy""#) {
+                return answer;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let body = left.split("\r\n\r\n").nth(1).expect("a body");
+    let value: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    assert!(
+        value["time_of_last_update"].as_u64().is_some_and(|t| t > 0),
+        "{left}"
+    );
+}

@@ -130,8 +130,11 @@ pub fn worker_launcher(root: &Path, mode: SandboxMode) -> LocalLauncher {
 }
 
 /// A builder whose workers are the test worker in the best sandbox available, storage in `root`.
+/// A stopped session terminates at once (tests of the termination window set their own).
 pub fn emulator_on(root: &Path) -> EmulatorBuilder {
-    Emulator::builder().launcher(worker_launcher(root, SandboxMode::Auto))
+    Emulator::builder()
+        .launcher(worker_launcher(root, SandboxMode::Auto))
+        .stop_latency(Duration::ZERO)
 }
 
 /// Starts an emulator with defaults on the test worker; the temp dir holds its storage.

@@ -9,7 +9,9 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use agentcore_emulator::{Emulator, EmulatorBuilder, LocalLauncher, WorkerCommand};
+use agentcore_emulator::{
+    Emulator, EmulatorBuilder, IamPolicy, LocalLauncher, TestCredentials, WorkerCommand, DEFAULT_RUNTIME_ID,
+};
 use aws_credential_types::provider::SharedCredentialsProvider;
 use aws_credential_types::Credentials;
 use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
@@ -80,8 +82,16 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
     config.state_dir = dir.path().join("broker");
     config.session_storage = true;
     config.start_timeout = Duration::from_secs(30);
+    // The broker's credentials get exactly the policy the operator guide tells operators to
+    // attach (its example runtime replaced by the emulator's), and the front forwards every
+    // invocation chunked: a container must read both framings. A stopped microVM terminates
+    // for a second (AgentCore: up to 15 s), so resumes meet 409 conflicts.
+    let emulator = Emulator::builder()
+        .credentials(TestCredentials::default().with_policy(documented_policy()))
+        .chunk_invocation_bodies(true)
+        .stop_latency(Duration::from_secs(1));
     let setup = tweak(Setup {
-        emulator: Emulator::builder(),
+        emulator,
         worker,
         config,
         runtime: Box::new(|builder| builder),
@@ -121,6 +131,30 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
         key,
         dir,
     }
+}
+
+/// The example runtime the operator guide's policy names.
+const DOCUMENTED_RUNTIME_ID: &str = "my_agent-AbCdEf1234";
+
+/// The IAM policy in `docs/agentcore.md` ("Permissions"), for the emulator's default runtime.
+pub fn documented_policy() -> IamPolicy {
+    let guide = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/agentcore.md");
+    let text = std::fs::read_to_string(&guide).expect("docs/agentcore.md");
+    let section = text
+        .split("\n## Permissions\n")
+        .nth(1)
+        .expect("a Permissions section in docs/agentcore.md");
+    let json = section
+        .split("```json\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .expect("a json block in the Permissions section");
+    assert!(
+        json.contains(DOCUMENTED_RUNTIME_ID),
+        "the documented policy names the example runtime {DOCUMENTED_RUNTIME_ID}"
+    );
+    IamPolicy::from_json(&json.replace(DOCUMENTED_RUNTIME_ID, DEFAULT_RUNTIME_ID))
+        .expect("the documented policy parses")
 }
 
 impl Harness {

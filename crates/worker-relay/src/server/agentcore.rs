@@ -414,8 +414,28 @@ impl GenerationFloor {
         file.write_all(generation.to_string().as_bytes())?;
         file.sync_all()?;
         std::fs::rename(&temporary, &self.path)?;
-        std::fs::File::open(dir)?.sync_all()
+        // Session storage is a network file system that may refuse `fsync` on a directory
+        // (reported: no such operation there); the rename is then as durable as that storage
+        // makes it, which is all the floor can have. Any other failure still counts.
+        match std::fs::File::open(dir)?.sync_all() {
+            Err(error) if directory_sync_unsupported(&error) => {
+                tracing::debug!(%error, "the session storage refuses fsync on a directory");
+                Ok(())
+            }
+            other => other,
+        }
     }
+}
+
+/// Whether `error` says the file system has no `fsync` for directories (rather than that it
+/// failed).
+fn directory_sync_unsupported(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::INVAL.raw_os_error()
+            || code == rustix::io::Errno::NOTSUP.raw_os_error()
+            || code == rustix::io::Errno::OPNOTSUPP.raw_os_error()
+    ) || error.kind() == std::io::ErrorKind::Unsupported
 }
 
 /// Removes everything inside `dir` (not `dir` itself, a mount point); symbolic links are removed,

@@ -17,8 +17,11 @@ use super::{AgentState, Relay};
 use crate::agentcore::{parse_wipe_request, wipe_answer, SESSION_HEADER};
 use crate::protocol::VERSION;
 
-/// The longest request head accepted.
-const MAX_HEAD: usize = 16 * 1024;
+/// The longest request head accepted: AgentCore adds its platform headers and up to 20
+/// allow-listed ones (values up to 4 KiB) to what the client sent.
+const MAX_HEAD: usize = 64 * 1024;
+/// The most request headers accepted, for the same reason.
+const MAX_HEADERS: usize = 128;
 /// The longest `/invocations` body accepted.
 const MAX_BODY: usize = 1 << 20;
 
@@ -155,7 +158,7 @@ async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
         buf.extend_from_slice(&chunk[..n]);
-        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut request = httparse::Request::new(&mut headers);
         match request.parse(&buf) {
             Ok(httparse::Status::Complete(len)) => {
@@ -179,8 +182,19 @@ async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
     }
 }
 
-/// Reads the request body; `None` if it is too large, has no valid length or ends early.
+/// Reads the request body, framed by `Content-Length` or `Transfer-Encoding: chunked` (a front
+/// that streams the body on sends the latter); `None` if it is too large, malformed, or ends
+/// early.
 async fn read_body(stream: &mut TcpStream, request: &Request) -> Option<Vec<u8>> {
+    let chunked = request.header("transfer-encoding").is_some_and(|value| {
+        value
+            .rsplit(',')
+            .next()
+            .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"))
+    });
+    if chunked {
+        return read_chunked_body(stream, request.rest.clone()).await;
+    }
     let length = match request.header("content-length") {
         None => 0,
         Some(value) => match value.trim().parse::<usize>() {
@@ -199,6 +213,62 @@ async fn read_body(stream: &mut TcpStream, request: &Request) -> Option<Vec<u8>>
         }
     }
     Some(body)
+}
+
+/// Reads a chunked body whose first bytes are `received`: chunks until the last one, then the
+/// trailers up to the empty line. `None` past [`MAX_BODY`], on a malformed chunk or an early end.
+async fn read_chunked_body(stream: &mut TcpStream, mut received: Vec<u8>) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    let mut at = 0;
+    loop {
+        let (size_len, size) = loop {
+            match httparse::parse_chunk_size(&received[at..]) {
+                Ok(httparse::Status::Complete((len, size))) => break (len, size),
+                Ok(httparse::Status::Partial) => read_more(stream, &mut received).await?,
+                Err(_) => return None,
+            }
+        };
+        let size = usize::try_from(size)
+            .ok()
+            .filter(|size| body.len() + size <= MAX_BODY)?;
+        at += size_len;
+        if size == 0 {
+            // Trailers (ignored) end with an empty line.
+            loop {
+                let rest = &received[at..];
+                if rest.starts_with(b"\r\n") {
+                    return Some(body);
+                }
+                match rest.windows(4).position(|w| w == b"\r\n\r\n") {
+                    Some(_) => return Some(body),
+                    None => read_more(stream, &mut received).await?,
+                }
+            }
+        }
+        while received.len() < at + size + 2 {
+            read_more(stream, &mut received).await?;
+        }
+        body.extend_from_slice(&received[at..at + size]);
+        if &received[at + size..at + size + 2] != b"\r\n" {
+            return None;
+        }
+        at += size + 2;
+    }
+}
+
+/// Appends what `stream` has next to `received`; `None` at its end or past the body's bound.
+async fn read_more(stream: &mut TcpStream, received: &mut Vec<u8>) -> Option<()> {
+    if received.len() > MAX_BODY + MAX_HEAD {
+        return None;
+    }
+    let mut chunk = [0u8; 8192];
+    match stream.read(&mut chunk).await {
+        Ok(0) | Err(_) => None,
+        Ok(n) => {
+            received.extend_from_slice(&chunk[..n]);
+            Some(())
+        }
+    }
 }
 
 /// Completes a WebSocket upgrade and returns the socket as a byte stream; answers 400 and returns

@@ -292,6 +292,7 @@ impl Relay {
                     exit_seq: None,
                     finished: None,
                     last_activity: unix_now(),
+                    last_attached: unix_now(),
                 }),
                 changed: watch::channel(0).0,
                 input: Mutex::new(InputQueue {
@@ -540,6 +541,9 @@ struct State {
     exit_seq: Option<Seq>,
     finished: Option<i32>,
     last_activity: u64,
+    /// When a broker connection last began or ended (Unix seconds): `/ping`'s
+    /// `time_of_last_update`.
+    last_attached: u64,
 }
 
 impl State {
@@ -684,6 +688,7 @@ impl Inner {
             state.log.ack(hello.resume);
         }
         state.hello = Some((hello.epoch, hello.nonce));
+        state.last_attached = unix_now();
         let id = state.next_conn;
         state.next_conn += 1;
         let superseded = CancellationToken::new();
@@ -717,6 +722,7 @@ impl Inner {
         let mut state = self.state.lock();
         if state.current.as_ref().is_some_and(|c| c.id == id) {
             state.current = None;
+            state.last_attached = unix_now();
             drop(state);
             self.bump();
         }
@@ -1014,9 +1020,20 @@ impl Inner {
         Self::finish_locked(&mut state, &self.done, code);
     }
 
+    /// What AgentCore's `/ping` reports: busy while a broker connection is current, and when one
+    /// last began or ended.
+    ///
+    /// AgentCore ends a session whose `/ping` says `Healthy` for its idle timeout (a changed
+    /// `time_of_last_update` restarts that clock) and keeps one that says `HealthyBusy`; bytes
+    /// on the WebSocket are not documented to count. So an attached chat, however quiet, is
+    /// busy: the connection is current only while the broker is heard from (it is dropped after
+    /// the relay's idle timeout, three heartbeats by default). Once the broker is gone the relay
+    /// says `Healthy` with the time it left, so the microVM ends one idle timeout later even if
+    /// output is still unacknowledged or the agent is still writing: a broker that never comes
+    /// back does not pin a microVM until its maximum lifetime.
     pub(crate) fn status_for_ping(&self) -> (bool, u64) {
         let state = self.state.lock();
-        (state.log.bytes() > 0, state.last_activity)
+        (state.current.is_some(), state.last_attached)
     }
 }
 
