@@ -127,6 +127,26 @@ pub async fn from_worker(cluster: &TestCluster, worker: &Worker, address: &str, 
     connect_from(&pods, &worker.pod, address, port).await
 }
 
+/// Probes up to three times while the probe meets silence, and returns the last outcome.
+///
+/// For addresses off this machine: the engine refuses a packet the node would forward with an
+/// ICMP error, and one such error in several runs arrived as silence. A connection, or a refusal,
+/// on any attempt ends the probing.
+pub async fn probe_through_silence<F, Fut>(mut probe: F) -> Outcome
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Outcome>,
+{
+    let mut outcome = Outcome::NoAnswer;
+    for _ in 0..3 {
+        outcome = probe().await;
+        if outcome != Outcome::NoAnswer {
+            break;
+        }
+    }
+    outcome
+}
+
 /// Opens a TCP connection from this host (the node, where the tests' broker runs).
 pub fn connect_from_host(address: &str, port: u16) -> Outcome {
     let socket: std::net::SocketAddr = format!("{address}:{port}").parse().expect("an address");
