@@ -11,17 +11,9 @@ mod common;
 use std::time::Duration;
 
 use agentcore_emulator::{Fault, Operation, WebSocketLimits};
-use common::within;
-use session_runtime::{CloseReason, CreateOptions, Error, SessionId, SessionRuntime, SuspendReason};
+use common::{attempts, created, within};
+use session_runtime::{CloseReason, Error, SessionRuntime, SuspendReason};
 use tokio::io::AsyncReadExt;
-
-async fn created(harness: &common::Harness, name: &str) -> SessionId {
-    let identity = common::identity(name);
-    within("create", harness.runtime.create(&identity, &CreateOptions::new()))
-        .await
-        .expect("create")
-        .id
-}
 
 /// One line of the agent's output (without the newline).
 async fn read_line(attachment: &mut session_runtime::Attachment) -> String {
@@ -97,16 +89,6 @@ async fn prompt(
     .await
 }
 
-fn upgrades(harness: &common::Harness) -> Vec<u16> {
-    harness
-        .emulator
-        .requests()
-        .iter()
-        .filter(|r| r.operation == Some(Operation::WebSocket))
-        .map(|r| r.status)
-        .collect()
-}
-
 /// The policy the operator guide gives the broker's role is enough for the whole lifecycle:
 /// the WebSocket upgrade (its own IAM action), the stop, and the wipe invocation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +130,11 @@ async fn bursts_above_the_frame_quota_cross_whole_both_ways() {
         chunks.iter().all(|line| line.len() > 80_000),
         "each chunk carries the 40 KB prompt and 40 KB of filler"
     );
-    assert_eq!(upgrades(&harness), [101], "one connection, never cut");
+    assert_eq!(
+        attempts(&harness, Operation::WebSocket),
+        [101],
+        "one connection, never cut"
+    );
     harness.emulator.shutdown().await.expect("stop");
 }
 
@@ -180,7 +166,11 @@ async fn a_quiet_attached_chat_outlives_the_idle_timeout() {
         lines.iter().any(|line| line.contains("echo[0]: after")),
         "{lines:?}"
     );
-    assert_eq!(upgrades(&harness), [101], "the same connection throughout");
+    assert_eq!(
+        attempts(&harness, Operation::WebSocket),
+        [101],
+        "the same connection throughout"
+    );
     harness.emulator.shutdown().await.expect("stop");
 }
 
@@ -250,9 +240,9 @@ async fn a_websocket_cut_at_its_maximum_duration_resumes() {
     let chunks = lines.iter().filter(|l| l.contains("agent_message_chunk")).count();
     assert_eq!(chunks, 8, "every chunk arrives once: {lines:?}");
     assert!(
-        upgrades(&harness).len() >= 2,
+        attempts(&harness, Operation::WebSocket).len() >= 2,
         "the connection was cut and reopened: {:?}",
-        upgrades(&harness)
+        attempts(&harness, Operation::WebSocket)
     );
     harness.emulator.shutdown().await.expect("stop");
 }
@@ -309,7 +299,11 @@ async fn a_resume_during_the_termination_window_retries_the_upgrade() {
     within("resume", harness.runtime.attach(&id))
         .await
         .expect("the resume retries through the window");
-    assert!(upgrades(&harness).contains(&409), "{:?}", upgrades(&harness));
+    assert!(
+        attempts(&harness, Operation::WebSocket).contains(&409),
+        "{:?}",
+        attempts(&harness, Operation::WebSocket)
+    );
     harness.emulator.shutdown().await.expect("stop");
 }
 
@@ -336,7 +330,11 @@ async fn the_active_session_quota_fails_an_attach_retryably() {
         }) => assert!(message.contains("ServiceQuotaExceededException"), "{message}"),
         other => panic!("expected a retryable quota error, got {other:?}"),
     }
-    assert!(upgrades(&harness).contains(&402), "{:?}", upgrades(&harness));
+    assert!(
+        attempts(&harness, Operation::WebSocket).contains(&402),
+        "{:?}",
+        attempts(&harness, Operation::WebSocket)
+    );
     harness.emulator.shutdown().await.expect("stop");
 }
 
@@ -362,7 +360,11 @@ async fn attaches_above_the_invocation_rate_are_retried() {
     for result in [a, b, c] {
         result.expect("every attach gets through");
     }
-    assert!(upgrades(&harness).contains(&429), "{:?}", upgrades(&harness));
+    assert!(
+        attempts(&harness, Operation::WebSocket).contains(&429),
+        "{:?}",
+        attempts(&harness, Operation::WebSocket)
+    );
     harness.emulator.shutdown().await.expect("stop");
 }
 

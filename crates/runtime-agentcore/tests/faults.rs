@@ -7,29 +7,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use agentcore_emulator::{Fault, Operation, WorkerCommand};
-use common::within;
-use session_runtime::{
-    CloseReason, CreateOptions, Error, SessionId, SessionRuntime, SessionState, SuspendReason,
-};
+use common::{attempts, created, within};
+use session_runtime::{CloseReason, Error, SessionRuntime, SessionState, SuspendReason};
 use tokio::io::{AsyncBufReadExt, BufReader};
-
-async fn created(harness: &common::Harness, name: &str) -> SessionId {
-    let identity = common::identity(name);
-    within("create", harness.runtime.create(&identity, &CreateOptions::new()))
-        .await
-        .expect("create")
-        .id
-}
-
-fn attempts(harness: &common::Harness, operation: Operation) -> Vec<u16> {
-    harness
-        .emulator
-        .requests()
-        .iter()
-        .filter(|r| r.operation == Some(operation))
-        .map(|r| r.status)
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_denied_at_the_upgrade_fails_the_attach_at_once_and_is_not_retryable() {

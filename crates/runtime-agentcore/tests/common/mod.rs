@@ -10,13 +10,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use agentcore_emulator::{
-    Emulator, EmulatorBuilder, IamPolicy, LocalLauncher, TestCredentials, WorkerCommand, DEFAULT_RUNTIME_ID,
+    Emulator, EmulatorBuilder, IamPolicy, LocalLauncher, Operation, TestCredentials, WorkerCommand,
+    DEFAULT_RUNTIME_ID,
 };
 use aws_credential_types::provider::SharedCredentialsProvider;
 use aws_credential_types::Credentials;
 use runtime_agentcore::{AgentCoreRuntime, AgentCoreRuntimeBuilder};
 use session_runtime::config::AgentCoreConfig;
-use session_runtime::{SessionId, SessionIdentity};
+use session_runtime::{CreateOptions, SessionId, SessionIdentity, SessionRuntime};
 use worker_relay::BrokerKey;
 
 /// How long any single step may take before a test calls it hung.
@@ -245,4 +246,24 @@ fn outside_tmp(binary: &Path) -> PathBuf {
     std::fs::copy(binary, &partial).expect("copy the binary");
     std::fs::rename(&partial, &copy).expect("rename the copy");
     copy
+}
+
+/// Creates the session of thread `name`; its id.
+pub async fn created(harness: &Harness, name: &str) -> SessionId {
+    let identity = identity(name);
+    within("create", harness.runtime.create(&identity, &CreateOptions::new()))
+        .await
+        .expect("create")
+        .id
+}
+
+/// The HTTP statuses of the emulator's answers to `operation`, in order.
+pub fn attempts(harness: &Harness, operation: Operation) -> Vec<u16> {
+    harness
+        .emulator
+        .requests()
+        .iter()
+        .filter(|r| r.operation == Some(operation))
+        .map(|r| r.status)
+        .collect()
 }
