@@ -320,8 +320,8 @@ async fn an_agent_chosen_request_cannot_forge_a_log_line() {
     }
 }
 
-/// A name other than `localhost` that this host resolves to a loopback address (from
-/// `/etc/hosts`, e.g. Debian's `ip6-localhost`), if there is one.
+/// A name other than `localhost` that this host maps to an IPv4 loopback address in
+/// `/etc/hosts`, if there is one.
 fn loopback_name() -> Option<String> {
     let hosts = std::fs::read_to_string("/etc/hosts").ok()?;
     hosts
@@ -329,7 +329,8 @@ fn loopback_name() -> Option<String> {
         .map(|line| line.split('#').next().unwrap_or_default())
         .filter_map(|line| {
             let mut words = line.split_whitespace();
-            let address: std::net::IpAddr = words.next()?.parse().ok()?;
+            // IPv4 only: the service this test listens with is on 127.0.0.1.
+            let address: std::net::Ipv4Addr = words.next()?.parse().ok()?;
             address.is_loopback().then_some(words)
         })
         .flatten()
@@ -340,10 +341,10 @@ fn loopback_name() -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listed_name_resolving_to_loopback_reaches_it_only_when_its_entry_says_loopback() {
     let _ = log();
-    let Some(name) = loopback_name() else {
-        eprintln!("skipping: no name other than localhost resolves to loopback in /etc/hosts");
-        return;
-    };
+    let name = loopback_name().expect(
+        "a name other than localhost that /etc/hosts maps to an address in 127.0.0.0/8 \
+         (add one, e.g. `127.0.0.1 vm`): the test needs a listed name that resolves to loopback",
+    );
     let upstream = service("host-loopback").await;
     let port = upstream.port();
     let dir = tempfile::Builder::new()
