@@ -44,7 +44,7 @@ enum Mode {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [socket, count, mode] = args.as_slice() else {
-        eprintln!("oab-egress-flood: usage: oab-egress-flood SOCKET COUNT idle|slow");
+        eprintln!("oab-egress-flood: usage: oab-egress-flood SOCKET COUNT idle|slow|churn");
         return ExitCode::from(2);
     };
     let socket = PathBuf::from(socket);
