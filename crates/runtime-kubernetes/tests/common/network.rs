@@ -6,10 +6,11 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Duration;
 
+use super::DeleteOnDrop;
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::{Attachment, CreateOptions, SessionId, SessionIdentity, SessionRuntime};
 use test_cluster::k8s_openapi::api::core::v1::Pod;
-use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{exec, restricted_pod, wait_until, TestCluster};
 
@@ -162,6 +163,7 @@ pub struct TestPod {
     pub name: String,
     pub ip: String,
     pub pods: Api<Pod>,
+    _delete: DeleteOnDrop,
 }
 
 impl TestPod {
@@ -210,6 +212,7 @@ impl TestPod {
         pods.create(&PostParams::default(), &pod)
             .await
             .unwrap_or_else(|error| panic!("create Pod {namespace}/{name}: {error}"));
+        let delete = DeleteOnDrop::new::<Pod>(cluster, namespace, name);
         let ip = wait_until(
             &format!("Pod {namespace}/{name} running"),
             Duration::from_secs(60),
@@ -224,6 +227,7 @@ impl TestPod {
             name: name.to_owned(),
             ip,
             pods,
+            _delete: delete,
         }
     }
 
@@ -241,26 +245,6 @@ impl TestPod {
             (self.connect(address, port).await == Outcome::Connected).then_some(())
         })
         .await;
-    }
-}
-
-impl Drop for TestPod {
-    fn drop(&mut self) {
-        let pods = self.pods.clone();
-        let name = self.name.clone();
-        let params = DeleteParams {
-            grace_period_seconds: Some(0),
-            ..DeleteParams::default()
-        };
-        // Best effort, on a runtime of its own: Drop cannot await the test's.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime");
-            let _ = runtime.block_on(pods.delete(&name, &params));
-        })
-        .join();
     }
 }
 
