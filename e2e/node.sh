@@ -212,7 +212,9 @@ evictionHard:
   imagefs.available: "0%"
 serializeImagePulls: false
 registerNode: true
-maxPods: 32
+# The kubelet's default: 30 sessions at once also run 30 helper Pods of the volume provisioner, and
+# at 32 the scheduler held the rest back ("Too many pods") for its 10 s retry.
+maxPods: 110
 podPidsLimit: 1024
 YAML
 }

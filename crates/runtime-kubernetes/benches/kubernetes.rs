@@ -13,7 +13,8 @@
 //!    volume of its own: create, attach, the first ACP reply and a prompt turn of all at once; suspend half and
 //!    resume them at once; close all. First-reply p50 and p95, and the p50 as a ratio to a single
 //!    session's median first reply (the same shape, one at a time, in the same run); API requests
-//!    per session, and what is left afterwards.
+//!    per session, and what is left afterwards. Then the same with no volume (`emptyDir`), the
+//!    node's own floor for that many Pods at once, so that what the volume provisioner adds shows.
 //! 5. On the real node, with `deploy/worker/Dockerfile`'s image and codex-acp as the agent
 //!    (`openab.dev/agent-worker:test`, e2e/images/build): a new session's first ACP reply and a
 //!    resume's, against a bare Pod of that image from create to Ready (median of 10 each); the
@@ -148,13 +149,16 @@ async fn run() {
         reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
     }
     if part("4") {
-        sessions_at_once(
-            &cluster,
-            std::sync::Arc::new(build(&with_volume)),
-            &faults,
-            &installation,
-        )
-        .await;
+        for (storage, profile) in [("a volume each", &with_volume), ("no volume", &installation)] {
+            sessions_at_once(
+                &cluster,
+                std::sync::Arc::new(build(profile)),
+                &faults,
+                &installation,
+                storage,
+            )
+            .await;
+        }
     }
     if part("5") {
         real_agent_against_a_bare_pod(&cluster, &build(&real_agent), &installation).await;
@@ -460,6 +464,7 @@ async fn sessions_at_once(
     runtime: std::sync::Arc<KubernetesRuntime>,
     faults: &Faults,
     installation: &str,
+    storage: &str,
 ) {
     let count: usize = std::env::var("OAB_BENCH_CONCURRENT")
         .ok()
@@ -468,8 +473,8 @@ async fn sessions_at_once(
     // The baseline, in this run: the same sessions' shape one at a time.
     let mut alone = Vec::new();
     for n in 0..ALONE_SAMPLES {
-        let identity =
-            SessionIdentity::new(installation, "agent", "bench", format!("alone-{n}")).expect("identity");
+        let identity = SessionIdentity::new(installation, "agent", "bench", format!("{storage}: alone {n}"))
+            .expect("identity");
         runtime
             .create(&identity, &CreateOptions::new())
             .await
@@ -484,7 +489,8 @@ async fn sessions_at_once(
     let mut ids = Vec::new();
     for n in 0..count {
         let identity =
-            SessionIdentity::new(installation, "agent", "bench", format!("at-once-{n}")).expect("identity");
+            SessionIdentity::new(installation, "agent", "bench", format!("{storage}: at once {n}"))
+                .expect("identity");
         runtime
             .create(&identity, &CreateOptions::new())
             .await
@@ -523,7 +529,7 @@ async fn sessions_at_once(
                 .filter(|c| c.metadata.deletion_timestamp.is_none())
                 .count()
         });
-    println!("{count} sessions at once (a volume each): create, attach + first ACP reply + a prompt turn of all at once, suspend {}, resume them at once, close all:", half.len());
+    println!("{count} sessions at once ({storage}): create, attach + first ACP reply + a prompt turn of all at once, suspend {}, resume them at once, close all:", half.len());
     let alone_median = percentile(&mut alone, 0.5);
     let median = percentile(&mut first, 0.5);
     println!(
