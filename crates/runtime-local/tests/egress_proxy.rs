@@ -10,7 +10,8 @@
 //!   its own into the broker's log.
 //! - A listed name that resolves to a loopback address is refused unless its entry says
 //!   `loopback`, and the address connected is the one checked.
-//! - A request head trickled a byte a second is cut off by a deadline for the whole head.
+//! - A request head trickled a byte a second is cut off by a deadline for the whole head: the
+//!   connection is closed without an answer, and the refusal logged.
 //!
 //! Every destination is a listener this test owns on loopback; the flood's processes are this
 //! test's children and are ended by it.
@@ -310,7 +311,7 @@ async fn an_agent_chosen_request_cannot_forge_a_log_line() {
         // Every line the proxy writes is the subscriber's: its own timestamp and level, then
         // the proxy's target; a line that starts with what the agent sent is a forged one.
         assert!(
-            !line.starts_with(forged) && line.contains(" WARN runtime_local::egress"),
+            !line.starts_with(forged) && line.contains(" WARN egress_proxy"),
             "a log line that is not the proxy's own: {line:?}"
         );
         assert!(
@@ -383,13 +384,13 @@ async fn a_listed_name_resolving_to_loopback_reaches_it_only_when_its_entry_says
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_trickled_a_byte_at_a_time_is_cut_off_by_a_whole_head_deadline() {
-    let _ = log();
+    let log = log();
+    let id = session("trickle");
     let dir = tempfile::Builder::new()
         .prefix("oab-trickle-")
         .tempdir_in("/tmp")
         .expect("dir");
-    let proxy = EgressProxyUnderTest::start(session("trickle"), &[target("api.example.com:443")], dir.path())
-        .expect("proxy");
+    let proxy = EgressProxyUnderTest::start(id, &[target("api.example.com:443")], dir.path()).expect("proxy");
     let mut stream = UnixStream::connect(proxy.socket()).await.expect("connect");
     // One byte a second never lets a per-read timeout fire; only a deadline for the whole head
     // ends it. The bound is a liveness one (three times the proxy's 10 s), not a figure.
@@ -411,5 +412,14 @@ async fn a_head_trickled_a_byte_at_a_time_is_cut_off_by_a_whole_head_deadline() 
     let answer = tokio::time::timeout(Duration::from_secs(30), trickle)
         .await
         .expect("the proxy still waits for a head trickled for 30 s");
-    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+    // Closed without an answer (hyper's whole-head deadline), and the refusal logged.
+    assert!(answer.is_empty(), "answered instead of closed: {answer:?}");
+    assert_eq!(proxy.refused(), 1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let text = log.text();
+    assert!(
+        text.lines()
+            .any(|line| line.contains(&id.to_string()) && line.contains("no complete request head within")),
+        "the cut-off head was not logged:\n{text}"
+    );
 }

@@ -17,10 +17,11 @@
 //! is private to the broker and the session's user), so one session's allowlist opens nothing
 //! for another. The proxy ends with its worker ([`EgressProxy`] is dropped).
 //!
-//! The proxy runs in the broker's process, so each session's use of it is bounded
-//! ([`bounds`]): connections, request-head bytes and time, memory; its refusals are counted and
-//! logged at a bounded rate, with every agent-chosen value escaped. A name is resolved once, and
-//! only the addresses of the kind its entry allows ([`EgressTarget::reach`]) are connected to.
+//! The HTTP proxy is the [`egress_proxy`] crate's: it runs in the broker's process, so each
+//! session's use of it is bounded ([`egress_proxy::bounds`]): connections, request-head bytes
+//! and time, memory; its refusals are counted and logged at a bounded rate, with every
+//! agent-chosen value escaped. A name is resolved once, and only the addresses of the kind its
+//! entry allows ([`EgressTarget::reach`]) are connected to.
 //!
 //! It stays in the broker's process rather than a helper per session: the bounds make one
 //! session's share of it small and fixed (about 2 MiB and [`bounds::MAX_CONNECTIONS`]
@@ -32,17 +33,14 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use egress_proxy::bounds;
+use egress_proxy::{Allowlist, ConnectionSlot, SessionBounds};
 use session_runtime::config::EgressTarget;
 use session_runtime::{Error, SessionId};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::sandbox::EgressLaunch;
-
-pub(crate) mod bounds;
-mod http;
-
-use bounds::SessionBounds;
 
 /// The first port tried for the proxy inside a session (the conventional proxy port); the
 /// next free one is used if a loopback forward takes it.
@@ -61,7 +59,7 @@ pub(crate) const FORWARDER_ENV: &str = "OAB_EGRESS_FORWARD";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EgressPlan {
     /// The configured destinations.
-    targets: Vec<EgressTarget>,
+    allowlist: Arc<Allowlist>,
     /// Where the HTTP proxy listens inside the session.
     proxy: SocketAddr,
     /// The listed loopback destinations: each is the same address inside and on the host.
@@ -85,16 +83,10 @@ impl EgressPlan {
             .find(|port| !forwards.contains(&SocketAddr::new(localhost, *port)))
             .unwrap_or(FIRST_PROXY_PORT);
         EgressPlan {
-            targets: targets.to_vec(),
+            allowlist: Arc::new(Allowlist::new(targets.to_vec())),
             proxy: SocketAddr::new(localhost, port),
             forwards,
         }
-    }
-
-    /// The entry of `host:port`, as a client of the proxy names it, if it is a listed
-    /// destination (the configuration lists each destination once).
-    pub(crate) fn entry(&self, host: &str, port: u16) -> Option<&EgressTarget> {
-        self.targets.iter().find(|target| target.matches(host, port))
     }
 
     /// The variables the agent gets: `HTTPS_PROXY`, `HTTP_PROXY` (and their lower-case forms,
@@ -200,9 +192,17 @@ impl EgressProxy {
             Arc::clone(&proxy.bounds),
             true,
             {
-                let plan = Arc::clone(plan);
+                let allowlist = Arc::clone(&plan.allowlist);
                 let bounds = Arc::clone(&proxy.bounds);
-                move |stream| http::serve_connection(Arc::clone(&bounds), Arc::clone(&plan), stream)
+                move |stream, slot, stop| {
+                    egress_proxy::serve_connection(
+                        stream,
+                        Arc::clone(&allowlist),
+                        Arc::clone(&bounds),
+                        slot,
+                        stop,
+                    )
+                }
             },
         ));
         for (index, address) in plan.forwards.iter().enumerate() {
@@ -214,7 +214,7 @@ impl EgressProxy {
                 proxy.stop.clone(),
                 Arc::clone(&proxy.bounds),
                 false,
-                move |stream| forward(Arc::clone(&bounds), address, stream),
+                move |stream, slot, stop| forward(Arc::clone(&bounds), address, stream, slot, stop),
             ));
         }
         Ok(proxy)
@@ -237,10 +237,11 @@ impl EgressProxy {
 const OVER_LIMIT: &[u8] =
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
-/// Accepts connections on `listener` until `stop`, handling each with `handle` until `stop`,
-/// within the session's `bounds`: a connection beyond them is refused at once (answered `503`
-/// first when `http`), and a shortage of descriptors or memory makes the loop wait rather
-/// than spin.
+/// Accepts connections on `listener` until `stop`, handing each to `handle` with its place
+/// among the session's connections (`handle` keeps it as long as the connection lasts, and ends
+/// at `stop`), within the session's `bounds`: a connection beyond them is refused at once
+/// (answered `503` first when `http`), and a shortage of descriptors or memory makes the loop
+/// wait rather than spin.
 async fn serve<F, Fut>(
     listener: UnixListener,
     stop: CancellationToken,
@@ -248,7 +249,7 @@ async fn serve<F, Fut>(
     http: bool,
     handle: F,
 ) where
-    F: Fn(UnixStream) -> Fut + Send + 'static,
+    F: Fn(UnixStream, ConnectionSlot, CancellationToken) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     loop {
@@ -289,23 +290,30 @@ async fn serve<F, Fut>(
                 () = tokio::time::sleep(bounds::REFUSAL_PAUSE) => continue,
             }
         };
-        let stop = stop.clone();
-        let connection = handle(stream);
-        tokio::spawn(async move {
-            let _slot = slot;
-            tokio::select! {
-                () = stop.cancelled() => {}
-                () = connection => {}
-            }
-        });
+        tokio::spawn(handle(stream, slot, stop.clone()));
     }
 }
 
-/// Joins a connection of the session's to the listed loopback destination `address` on the host.
-async fn forward(bounds: Arc<SessionBounds>, address: SocketAddr, mut inside: UnixStream) {
-    match TcpStream::connect(address).await {
+/// Joins a connection of the session's to the listed loopback destination `address` on the
+/// host, holding its `slot` until it ends or `stop`.
+async fn forward(
+    bounds: Arc<SessionBounds>,
+    address: SocketAddr,
+    mut inside: UnixStream,
+    slot: ConnectionSlot,
+    stop: CancellationToken,
+) {
+    let _slot = slot;
+    let connected = tokio::select! {
+        () = stop.cancelled() => return,
+        connected = TcpStream::connect(address) => connected,
+    };
+    match connected {
         Ok(mut outside) => {
-            let _ = tokio::io::copy_bidirectional(&mut inside, &mut outside).await;
+            tokio::select! {
+                () = stop.cancelled() => {}
+                _ = tokio::io::copy_bidirectional(&mut inside, &mut outside) => {}
+            }
         }
         Err(error) => {
             bounds.note(

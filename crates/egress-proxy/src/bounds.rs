@@ -1,20 +1,19 @@
-//! What one session may take of the broker through its egress proxy, and how its refusals are
-//! logged.
+//! What one session may take of the process serving its egress, and how its refusals are logged.
 //!
-//! The proxy runs in the broker's process, which serves every session: a session's agent that
-//! floods its proxy must meet its own session's limits, never the broker's. Per session:
+//! One process serves many sessions' egress (the broker for the local runtime): a session's
+//! agent that floods its proxy must meet its own session's limits, never the process's. Per
+//! session:
 //!
-//! - at most [`MAX_CONNECTIONS`] connections at once, over all of its sockets (the HTTP proxy
-//!   and the loopback forwards): a connection beyond them is answered `503` and closed at once,
-//!   so the broker holds no descriptor for it, and the session's accept loop then pauses
-//!   [`REFUSAL_PAUSE`], so a connect loop costs the broker no more than a few accepts a
-//!   millisecond;
-//! - a request head of at most [`MAX_HEAD`] bytes, complete within [`HEAD_TIMEOUT`] of the
-//!   connection (a whole-head deadline: a slow-loris sending a byte at a time gains nothing);
-//! - request heads being read take at most [`HEAD_BUDGET`] bytes together;
+//! - at most [`MAX_CONNECTIONS`] connections at once: a connection beyond them is answered `503`
+//!   and closed at once, so no descriptor is held for it, and the session's accept loop then
+//!   pauses [`REFUSAL_PAUSE`], so a connect loop costs no more than a few accepts a millisecond;
+//! - a request head of at most [`MAX_HEAD`] bytes (hyper's read buffer; `431` beyond it),
+//!   complete within [`HEAD_TIMEOUT`] of the connection or of the previous response (a
+//!   whole-head deadline: a slow-loris sending a byte at a time gains nothing, and the
+//!   connection is closed without an answer);
 //!
-//! so the memory a session's proxy holds is bounded: [`HEAD_BUDGET`] for heads, plus, per
-//! connection, the read buffer and the two 8 KiB buffers of a tunnel: about 2 MiB per session.
+//! so the memory a session's proxy holds is bounded: per connection, the read buffer of at most
+//! [`MAX_HEAD`] and the two 8 KiB buffers of a tunnel, about 2 MiB per session in all.
 //! Refusals are counted, and logged at most [`LOG_BURST`] at once and one a second after that,
 //! each line saying how many were not logged since the last.
 
@@ -28,31 +27,27 @@ use session_runtime::SessionId;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Connections one session may have open through its proxy at once.
-pub(crate) const MAX_CONNECTIONS: usize = 64;
-/// The longest request head (request line and headers) the proxy reads.
-pub(crate) const MAX_HEAD: usize = 16 * 1024;
+pub const MAX_CONNECTIONS: usize = 64;
+/// The longest request head (request line and headers) the proxy reads: hyper's read buffer,
+/// which may not be smaller than 8 KiB.
+pub const MAX_HEAD: usize = 16 * 1024;
 /// How long a client has, from its connection, to send its whole request head.
-pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// The bytes of request heads one session's proxy holds at once, over all its connections.
-pub(crate) const HEAD_BUDGET: usize = 512 * 1024;
-/// How much of the budget one read of a head takes (its buffer's size).
-pub(crate) const HEAD_CHUNK: usize = 4096;
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many refusals are logged at once before the rate of one a second applies.
 const LOG_BURST: u32 = 5;
 /// How often a refusal is logged once the burst is spent.
 const LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a session's accept loop pauses after refusing a connection over its limit: at most
 /// about a thousand refusals a second per session, however fast its agent connects.
-pub(crate) const REFUSAL_PAUSE: Duration = Duration::from_millis(1);
+pub const REFUSAL_PAUSE: Duration = Duration::from_millis(1);
 /// How long the accept loop waits when the process or system is out of descriptors or memory.
-pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// The limits and the refusal log of one session's proxy, shared by all its sockets.
 #[derive(Debug)]
-pub(crate) struct SessionBounds {
+pub struct SessionBounds {
     id: SessionId,
     connections: Arc<Semaphore>,
-    head_bytes: Arc<Semaphore>,
     log: Mutex<LogBucket>,
     refused: AtomicU64,
 }
@@ -67,19 +62,14 @@ struct LogBucket {
 
 /// A connection's place among its session's [`MAX_CONNECTIONS`]: released when dropped.
 #[derive(Debug)]
-pub(crate) struct ConnectionSlot(#[allow(dead_code)] OwnedSemaphorePermit);
-
-/// Bytes of its session's [`HEAD_BUDGET`] that a head being read holds: released when dropped.
-#[derive(Debug, Default)]
-pub(crate) struct HeadBytes(Option<OwnedSemaphorePermit>);
+pub struct ConnectionSlot(#[allow(dead_code)] OwnedSemaphorePermit);
 
 impl SessionBounds {
     /// The bounds of session `id`'s proxy, with nothing in use.
-    pub(crate) fn new(id: SessionId) -> Arc<Self> {
+    pub fn new(id: SessionId) -> Arc<Self> {
         Arc::new(SessionBounds {
             id,
             connections: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
-            head_bytes: Arc::new(Semaphore::new(HEAD_BUDGET)),
             log: Mutex::new(LogBucket {
                 tokens: LOG_BURST,
                 refilled_at: Instant::now(),
@@ -90,45 +80,32 @@ impl SessionBounds {
     }
 
     /// The session.
-    pub(crate) fn id(&self) -> SessionId {
+    pub fn id(&self) -> SessionId {
         self.id
     }
 
     /// A place for a new connection, or `None` when the session has [`MAX_CONNECTIONS`] open.
-    pub(crate) fn connection(&self) -> Option<ConnectionSlot> {
+    pub fn connection(&self) -> Option<ConnectionSlot> {
         Arc::clone(&self.connections)
             .try_acquire_owned()
             .ok()
             .map(ConnectionSlot)
     }
 
-    /// Takes [`HEAD_CHUNK`] more bytes of the head budget into `held`; `false` when the
-    /// session's heads hold all of it.
-    pub(crate) fn grow_head(&self, held: &mut HeadBytes) -> bool {
-        let Ok(more) = Arc::clone(&self.head_bytes).try_acquire_many_owned(HEAD_CHUNK as u32) else {
-            return false;
-        };
-        match &mut held.0 {
-            Some(permit) => permit.merge(more),
-            None => held.0 = Some(more),
-        }
-        true
-    }
-
     /// How many connections of the session the proxy holds now.
-    pub(crate) fn open_connections(&self) -> usize {
+    pub fn open_connections(&self) -> usize {
         MAX_CONNECTIONS - self.connections.available_permits()
     }
 
     /// How many refusals the session's proxy has made (each counted, logged or not).
-    pub(crate) fn refused(&self) -> u64 {
+    pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
 
     /// Counts a refusal of a request to `destination` (if it got that far) for `reason`, and
     /// logs it at WARN unless the session's refusals are being logged at their limit. Every
     /// agent-chosen value is escaped ([`LogSafe`]): `reason` and `destination` may hold them.
-    pub(crate) fn refuse(&self, destination: Option<&str>, reason: &str) {
+    pub fn refuse(&self, destination: Option<&str>, reason: &str) {
         let total = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
         let Some(unlogged) = self.may_log() else {
             return;
@@ -137,19 +114,19 @@ impl SessionBounds {
         let reason = LogSafe(reason);
         match destination {
             Some(destination) => tracing::warn!(
-                session = %id, destination = %LogSafe(destination), refused_total = total,
-                unlogged_since_last = unlogged, "egress refused: {reason}"
+                session = %id, destination = %LogSafe(destination), %reason, refused_total = total,
+                unlogged_since_last = unlogged, "egress refused"
             ),
             None => tracing::warn!(
-                session = %id, refused_total = total, unlogged_since_last = unlogged,
-                "egress refused: {reason}"
+                session = %id, %reason, refused_total = total, unlogged_since_last = unlogged,
+                "egress refused"
             ),
         }
     }
 
     /// Logs `what` at INFO within the same rate as refusals (connection failures a session's
     /// agent can cause at will), without counting a refusal.
-    pub(crate) fn note(&self, destination: &str, what: &str) {
+    pub fn note(&self, destination: &str, what: &str) {
         if let Some(unlogged) = self.may_log() {
             tracing::info!(
                 session = %self.id, destination = %LogSafe(destination),
@@ -181,7 +158,7 @@ impl SessionBounds {
 /// Whether an accept failed for want of descriptors or memory (the process's or the
 /// system's), which only time can cure: the accept loop waits [`ACCEPT_BACKOFF`] instead of
 /// retrying at once (spinning a core while the condition lasts).
-pub(crate) fn accept_exhausted(error: &std::io::Error) -> bool {
+pub fn accept_exhausted(error: &std::io::Error) -> bool {
     use rustix::io::Errno;
     matches!(
         Errno::from_io_error(error),
@@ -192,7 +169,8 @@ pub(crate) fn accept_exhausted(error: &std::io::Error) -> bool {
 /// Shows an agent-chosen value in a log line with every control character (and the Unicode
 /// line separators and bidirectional overrides a terminal would act on) escaped as `\u{..}`:
 /// such a value can neither start a line of its own nor move the cursor, colour or hide text.
-pub(crate) struct LogSafe<'a>(pub(crate) &'a str);
+#[derive(Debug)]
+pub struct LogSafe<'a>(pub &'a str);
 
 impl fmt::Display for LogSafe<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -240,7 +218,7 @@ mod tests {
     }
 
     #[test]
-    fn connections_and_head_bytes_are_bounded_per_session() {
+    fn connections_are_bounded_per_session() {
         let id = session_runtime::SessionIdentity::new("i", "a", "p", "t")
             .expect("identity")
             .id();
@@ -250,10 +228,5 @@ mod tests {
         assert!(bounds.connection().is_none());
         drop(slots);
         assert!(bounds.connection().is_some());
-        let mut held = HeadBytes::default();
-        let chunks = (0..).take_while(|_| bounds.grow_head(&mut held)).count();
-        assert_eq!(chunks, HEAD_BUDGET / HEAD_CHUNK);
-        drop(held);
-        assert!(bounds.grow_head(&mut HeadBytes::default()));
     }
 }

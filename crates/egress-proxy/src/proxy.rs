@@ -1,0 +1,260 @@
+//! One connection of a session to its proxy, served by hyper's HTTP/1 server.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode, Uri};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use session_runtime::config::EgressTarget;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::allowlist::addresses;
+use crate::bounds::{ConnectionSlot, SessionBounds, HEAD_TIMEOUT, MAX_HEAD};
+use crate::{Allowlist, Refusal};
+
+/// How long resolving a destination's name and connecting to it may take, together.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What the proxy answers with: a refusal's text, or a destination's response as it streams.
+type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+/// Serves one connection of a session (whose `bounds` apply, and which holds `slot` among its
+/// connections until it and any tunnel it became have ended) to the destinations `allowlist`
+/// names, until the connection ends or `stop`.
+pub async fn serve_connection<I>(
+    io: I,
+    allowlist: Arc<Allowlist>,
+    bounds: Arc<SessionBounds>,
+    slot: ConnectionSlot,
+    stop: CancellationToken,
+) where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let slot = Arc::new(slot);
+    let service = {
+        let bounds = Arc::clone(&bounds);
+        let stop = stop.clone();
+        service_fn(move |request| {
+            let allowlist = Arc::clone(&allowlist);
+            let bounds = Arc::clone(&bounds);
+            let slot = Arc::clone(&slot);
+            let stop = stop.clone();
+            async move {
+                let response = match handle(request, &allowlist, &bounds, slot, stop).await {
+                    Ok(response) => response,
+                    Err(refusal) => answer(&refusal),
+                };
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .max_buf_size(MAX_HEAD)
+        // One request per connection: the deadline covers the one head, never an idle wait.
+        .keep_alive(false);
+    let connection = builder
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    let result = tokio::select! {
+        () = stop.cancelled() => return,
+        result = connection => result,
+    };
+    if let Err(error) = result {
+        // hyper has answered a malformed or oversized head itself (400, 431); a head not
+        // complete in time is closed without an answer.
+        if error.is_parse_too_large() {
+            bounds.refuse(None, &format!("request head longer than {MAX_HEAD} bytes"));
+        } else if error.is_parse() {
+            bounds.refuse(None, &format!("malformed request: {error}"));
+        } else if error.is_timeout() {
+            bounds.refuse(None, &format!("no complete request head within {HEAD_TIMEOUT:?}"));
+        } else {
+            tracing::debug!(session = %bounds.id(), "egress connection ended: {error}");
+        }
+    }
+}
+
+/// Serves `request`, or says why not (every refusal is counted and logged here).
+async fn handle(
+    request: Request<Incoming>,
+    allowlist: &Allowlist,
+    bounds: &Arc<SessionBounds>,
+    slot: Arc<ConnectionSlot>,
+    stop: CancellationToken,
+) -> Result<Response<ProxyBody>, Refusal> {
+    let target = destination_of(&request).inspect_err(|refusal| bounds.refuse(None, &refusal.reason))?;
+    let destination = authority(&target);
+    let Some(entry) = allowlist.entry(&target.host(), target.port()) else {
+        bounds.refuse(Some(&destination), "not in the session's allowlist");
+        return Err(Refusal::forbidden(format!(
+            "{destination} is not in this session's egress allowlist"
+        )));
+    };
+    let upstream = connect(entry, &target, &destination)
+        .await
+        .inspect_err(|refusal| {
+            if refusal.status == StatusCode::FORBIDDEN {
+                bounds.refuse(Some(&destination), &refusal.reason);
+            } else {
+                bounds.note(&destination, &refusal.reason);
+            }
+        })?;
+    tracing::debug!(session = %bounds.id(), destination = %destination, "egress connected");
+    if request.method() == Method::CONNECT {
+        tokio::spawn(tunnel(request, upstream, slot, stop));
+        return Ok(Response::new(empty()));
+    }
+    forward(request, upstream, stop).await.map_err(|error| {
+        let reason = format!("forwarding to {destination}: {error}");
+        bounds.note(&destination, &reason);
+        Refusal::bad_gateway(reason)
+    })
+}
+
+/// The destination `request` names: `CONNECT host:port`, or an absolute `http://` target (port
+/// 80 by default), in the one spelling an egress entry has
+/// ([`EgressTarget::parse_authority`]: a name with a trailing dot, or a port with a sign or a
+/// leading zero, is refused rather than passed on as a second spelling of a destination).
+fn destination_of(request: &Request<Incoming>) -> Result<EgressTarget, Refusal> {
+    let uri = request.uri();
+    if request.method() == Method::CONNECT {
+        let authority = uri
+            .authority()
+            .filter(|_| uri.scheme().is_none())
+            .ok_or_else(|| Refusal::bad_request(format!("CONNECT needs host:port, found {uri}")))?;
+        return EgressTarget::parse_authority(authority.as_str(), None).map_err(|why| {
+            Refusal::bad_request(format!("CONNECT needs host:port, found {authority}: {why}"))
+        });
+    }
+    let (Some("http"), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return Err(Refusal::bad_request(format!(
+            "{} {uri}: the proxy serves CONNECT and absolute http:// requests only",
+            request.method()
+        )));
+    };
+    EgressTarget::parse_authority(authority.as_str(), Some(80))
+        .map_err(|why| Refusal::bad_request(format!("bad authority in {uri}: {why}")))
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+fn authority(target: &EgressTarget) -> String {
+    let host = target.host();
+    if host.contains(':') {
+        format!("[{host}]:{}", target.port())
+    } else {
+        format!("{host}:{}", target.port())
+    }
+}
+
+/// Connects to the first address of `target` that answers, among those its `entry` allows.
+async fn connect(
+    entry: &EgressTarget,
+    target: &EgressTarget,
+    destination: &str,
+) -> Result<TcpStream, Refusal> {
+    let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let addresses: Vec<SocketAddr> = addresses(entry, &target.host(), target.port()).await?;
+        let mut last = None;
+        for address in &addresses {
+            match TcpStream::connect(address).await {
+                Ok(stream) => return Ok(stream),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(Refusal::bad_gateway(format!(
+            "connecting to {destination}: {}",
+            last.map_or_else(|| "no address".to_owned(), |error| error.to_string())
+        )))
+    })
+    .await;
+    connected.unwrap_or_else(|_| {
+        Err(Refusal::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!("connecting to {destination} timed out"),
+        ))
+    })
+}
+
+/// Joins the connection that `request` (a `CONNECT`) upgrades, once answered, to `upstream`,
+/// holding the connection's `slot` until the tunnel ends or `stop`.
+async fn tunnel(
+    request: Request<Incoming>,
+    mut upstream: TcpStream,
+    slot: Arc<ConnectionSlot>,
+    stop: CancellationToken,
+) {
+    let _slot = slot;
+    let Ok(upgraded) = hyper::upgrade::on(request).await else {
+        return;
+    };
+    let mut inside = TokioIo::new(upgraded);
+    tokio::select! {
+        () = stop.cancelled() => {}
+        _ = tokio::io::copy_bidirectional(&mut inside, &mut upstream) => {}
+    }
+}
+
+/// Sends `request` to `upstream` in origin form (`GET /path`), without the headers meant for
+/// the proxy (`Proxy-*`), and returns the destination's response as it streams.
+async fn forward(
+    request: Request<Incoming>,
+    upstream: TcpStream,
+    stop: CancellationToken,
+) -> Result<Response<ProxyBody>, hyper::Error> {
+    let (mut parts, body) = request.into_parts();
+    parts.uri = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| Uri::from_static("/"), |path| Uri::from(path.clone()));
+    let proxy_only: Vec<header::HeaderName> = parts
+        .headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for name in proxy_only {
+        parts.headers.remove(name);
+    }
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await?;
+    // The destination's connection lives until its response has been read, or `stop`.
+    tokio::spawn(async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            _ = connection => {}
+        }
+    });
+    let response = sender.send_request(Request::from_parts(parts, body)).await?;
+    Ok(response.map(BodyExt::boxed))
+}
+
+/// The answer to `refusal`: its status, with the reason as a plain-text body.
+fn answer(refusal: &Refusal) -> Response<ProxyBody> {
+    let mut response = Response::new(
+        Full::new(Bytes::from(format!("{}\n", refusal.reason)))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *response.status_mut() = refusal.status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain"),
+    );
+    response
+}
+
+fn empty() -> ProxyBody {
+    Full::new(Bytes::new()).map_err(|never| match never {}).boxed()
+}
