@@ -26,6 +26,9 @@ use parking_lot::Mutex;
 use session_runtime::SessionId;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+/// What a connection beyond its session's or the proxy's limit is answered, without reading it.
+pub const OVER_LIMIT: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 /// Connections one session may have open through its proxy at once.
 pub const MAX_CONNECTIONS: usize = 64;
 /// The longest request head (request line and headers) the proxy reads: hyper's read buffer,
@@ -46,7 +49,8 @@ pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// The limits and the refusal log of one session's proxy, shared by all its sockets.
 #[derive(Debug)]
 pub struct SessionBounds {
-    id: SessionId,
+    /// The session, as its log lines name it (`-` for requests of no known session).
+    session: String,
     connections: Arc<Semaphore>,
     log: Mutex<LogBucket>,
     refused: AtomicU64,
@@ -67,8 +71,18 @@ pub struct ConnectionSlot(#[allow(dead_code)] OwnedSemaphorePermit);
 impl SessionBounds {
     /// The bounds of session `id`'s proxy, with nothing in use.
     pub fn new(id: SessionId) -> Arc<Self> {
+        Self::named(id.to_string())
+    }
+
+    /// The bounds under which requests that no session is known for (no or a wrong credential
+    /// at a gateway) are counted and logged, as session `-`.
+    pub fn unattributed() -> Arc<Self> {
+        Self::named("-".to_owned())
+    }
+
+    fn named(session: String) -> Arc<Self> {
         Arc::new(SessionBounds {
-            id,
+            session,
             connections: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
             log: Mutex::new(LogBucket {
                 tokens: LOG_BURST,
@@ -79,9 +93,9 @@ impl SessionBounds {
         })
     }
 
-    /// The session.
-    pub fn id(&self) -> SessionId {
-        self.id
+    /// The session, as log lines name it.
+    pub fn session(&self) -> &str {
+        &self.session
     }
 
     /// A place for a new connection, or `None` when the session has [`MAX_CONNECTIONS`] open.
@@ -110,7 +124,7 @@ impl SessionBounds {
         let Some(unlogged) = self.may_log() else {
             return;
         };
-        let id = self.id;
+        let id = &self.session;
         let reason = LogSafe(reason);
         match destination {
             Some(destination) => tracing::warn!(
@@ -129,7 +143,7 @@ impl SessionBounds {
     pub fn note(&self, destination: &str, what: &str) {
         if let Some(unlogged) = self.may_log() {
             tracing::info!(
-                session = %self.id, destination = %LogSafe(destination),
+                session = %self.session, destination = %LogSafe(destination),
                 unlogged_since_last = unlogged, "egress {}", LogSafe(what)
             );
         }

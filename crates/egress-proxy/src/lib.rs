@@ -17,11 +17,79 @@ use http::StatusCode;
 
 pub mod allowlist;
 pub mod bounds;
+pub mod gateway;
 mod proxy;
 
 pub use allowlist::Allowlist;
 pub use bounds::{ConnectionSlot, LogSafe, SessionBounds};
 pub use proxy::serve_connection;
+
+/// Who a request to the proxy comes from: the session whose allowlist and bounds apply to it.
+pub trait Admission: Send + Sync + 'static {
+    /// The session `request` comes from, and its place among the session's connections if the
+    /// admission takes one per request, or why it is not served (`407` for a missing or wrong
+    /// credential, `503` over the session's limits).
+    ///
+    /// # Errors
+    ///
+    /// The [`Refusal`] to answer; the caller logs it through [`refused`](Self::refused).
+    fn admit(&self, request: &http::Request<hyper::body::Incoming>) -> Result<Admitted, Refusal>;
+
+    /// Counts and logs a refusal of a request that was not admitted (`reason` may hold
+    /// client-chosen text: escape it, as [`SessionBounds::refuse`] does).
+    fn refused(&self, reason: &str);
+}
+
+/// An admitted request's session: what it may reach and the bounds it is served within.
+#[derive(Debug)]
+pub struct Admitted {
+    /// The destinations the session may reach.
+    pub allowlist: std::sync::Arc<Allowlist>,
+    /// The session's bounds and refusal log.
+    pub bounds: std::sync::Arc<SessionBounds>,
+    /// The request's place among the session's connections, held until it (or the tunnel it
+    /// became) ends; `None` when the caller holds one for the whole connection.
+    pub slot: Option<std::sync::Arc<ConnectionSlot>>,
+}
+
+/// The admission of a proxy that serves one session only (its socket is the session's own):
+/// every request is that session's, within the place the accept loop took for its connection.
+#[derive(Debug)]
+pub struct OneSession {
+    allowlist: std::sync::Arc<Allowlist>,
+    bounds: std::sync::Arc<SessionBounds>,
+    slot: std::sync::Arc<ConnectionSlot>,
+}
+
+impl OneSession {
+    /// Admits every request on a connection of the session whose `bounds` and `allowlist` are
+    /// given, holding `slot` until the connection and any tunnel it became have ended.
+    pub fn new(
+        allowlist: std::sync::Arc<Allowlist>,
+        bounds: std::sync::Arc<SessionBounds>,
+        slot: ConnectionSlot,
+    ) -> Self {
+        OneSession {
+            allowlist,
+            bounds,
+            slot: std::sync::Arc::new(slot),
+        }
+    }
+}
+
+impl Admission for OneSession {
+    fn admit(&self, _request: &http::Request<hyper::body::Incoming>) -> Result<Admitted, Refusal> {
+        Ok(Admitted {
+            allowlist: std::sync::Arc::clone(&self.allowlist),
+            bounds: std::sync::Arc::clone(&self.bounds),
+            slot: Some(std::sync::Arc::clone(&self.slot)),
+        })
+    }
+
+    fn refused(&self, reason: &str) {
+        self.bounds.refuse(None, reason);
+    }
+}
 
 /// Why the proxy does not serve a request: the status it answers, and why (the answer's body
 /// and the log line's `reason`).

@@ -19,8 +19,8 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::allowlist::addresses;
-use crate::bounds::{ConnectionSlot, SessionBounds, HEAD_TIMEOUT, MAX_HEAD};
-use crate::{Allowlist, Refusal};
+use crate::bounds::{ConnectionSlot, HEAD_TIMEOUT, MAX_HEAD};
+use crate::{Admission, Admitted, Refusal};
 
 /// How long resolving a destination's name and connecting to it may take, together.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
@@ -28,31 +28,27 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// What the proxy answers with: a refusal's text, or a destination's response as it streams.
 type ProxyBody = BoxBody<Bytes, hyper::Error>;
 
-/// Serves one connection of a session (whose `bounds` apply, and which holds `slot` among its
-/// connections until it and any tunnel it became have ended) to the destinations `allowlist`
-/// names, until the connection ends or `stop`.
-pub async fn serve_connection<I>(
-    io: I,
-    allowlist: Arc<Allowlist>,
-    bounds: Arc<SessionBounds>,
-    slot: ConnectionSlot,
-    stop: CancellationToken,
-) where
+/// Serves one connection to the proxy until it ends or `stop`: its request is served for, and
+/// within the bounds of, the session `admission` says it comes from.
+pub async fn serve_connection<I>(io: I, admission: Arc<dyn Admission>, stop: CancellationToken)
+where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let slot = Arc::new(slot);
     let service = {
-        let bounds = Arc::clone(&bounds);
+        let admission = Arc::clone(&admission);
         let stop = stop.clone();
         service_fn(move |request| {
-            let allowlist = Arc::clone(&allowlist);
-            let bounds = Arc::clone(&bounds);
-            let slot = Arc::clone(&slot);
+            let admission = Arc::clone(&admission);
             let stop = stop.clone();
             async move {
-                let response = match handle(request, &allowlist, &bounds, slot, stop).await {
-                    Ok(response) => response,
-                    Err(refusal) => answer(&refusal),
+                let response = match admission.admit(&request) {
+                    Ok(admitted) => handle(request, admitted, stop)
+                        .await
+                        .unwrap_or_else(|refusal| answer(&refusal)),
+                    Err(refusal) => {
+                        admission.refused(&refusal.reason);
+                        answer(&refusal)
+                    }
                 };
                 Ok::<_, Infallible>(response)
             }
@@ -76,25 +72,29 @@ pub async fn serve_connection<I>(
         // hyper has answered a malformed or oversized head itself (400, 431); a head not
         // complete in time is closed without an answer.
         if error.is_parse_too_large() {
-            bounds.refuse(None, &format!("request head longer than {MAX_HEAD} bytes"));
+            admission.refused(&format!("request head longer than {MAX_HEAD} bytes"));
         } else if error.is_parse() {
-            bounds.refuse(None, &format!("malformed request: {error}"));
+            admission.refused(&format!("malformed request: {error}"));
         } else if error.is_timeout() {
-            bounds.refuse(None, &format!("no complete request head within {HEAD_TIMEOUT:?}"));
+            admission.refused(&format!("no complete request head within {HEAD_TIMEOUT:?}"));
         } else {
-            tracing::debug!(session = %bounds.id(), "egress connection ended: {error}");
+            tracing::debug!("egress connection ended: {error}");
         }
     }
 }
 
-/// Serves `request`, or says why not (every refusal is counted and logged here).
+/// Serves `request` of an `admitted` session, or says why not (every refusal is counted and
+/// logged here).
 async fn handle(
     request: Request<Incoming>,
-    allowlist: &Allowlist,
-    bounds: &Arc<SessionBounds>,
-    slot: Arc<ConnectionSlot>,
+    admitted: Admitted,
     stop: CancellationToken,
 ) -> Result<Response<ProxyBody>, Refusal> {
+    let Admitted {
+        allowlist,
+        bounds,
+        slot,
+    } = admitted;
     let target = destination_of(&request).inspect_err(|refusal| bounds.refuse(None, &refusal.reason))?;
     let destination = authority(&target);
     let Some(entry) = allowlist.entry(&target.host(), target.port()) else {
@@ -112,7 +112,7 @@ async fn handle(
                 bounds.note(&destination, &refusal.reason);
             }
         })?;
-    tracing::debug!(session = %bounds.id(), destination = %destination, "egress connected");
+    tracing::debug!(session = %bounds.session(), destination = %destination, "egress connected");
     if request.method() == Method::CONNECT {
         tokio::spawn(tunnel(request, upstream, slot, stop));
         return Ok(Response::new(empty()));
@@ -193,7 +193,7 @@ async fn connect(
 async fn tunnel(
     request: Request<Incoming>,
     mut upstream: TcpStream,
-    slot: Arc<ConnectionSlot>,
+    slot: Option<Arc<ConnectionSlot>>,
     stop: CancellationToken,
 ) {
     let _slot = slot;
@@ -248,6 +248,12 @@ fn answer(refusal: &Refusal) -> Response<ProxyBody> {
             .boxed(),
     );
     *response.status_mut() = refusal.status;
+    if refusal.status == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+        response.headers_mut().insert(
+            header::PROXY_AUTHENTICATE,
+            header::HeaderValue::from_static("Basic realm=\"openab egress\""),
+        );
+    }
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("text/plain"),

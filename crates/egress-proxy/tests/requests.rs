@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use egress_proxy::{Allowlist, SessionBounds};
+use egress_proxy::{Allowlist, OneSession, SessionBounds};
 use session_runtime::config::EgressTarget;
 use session_runtime::SessionIdentity;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -67,11 +67,14 @@ impl Proxy {
     /// Sends `bytes` on a new connection and returns all the proxy answered until it closed.
     async fn exchange(&self, bytes: &[u8]) -> String {
         let (mut client, server) = tokio::io::duplex(64 * 1024);
-        tokio::spawn(egress_proxy::serve_connection(
-            server,
+        let admission = OneSession::new(
             Arc::clone(&self.allowlist),
             Arc::clone(&self.bounds),
             self.bounds.connection().expect("a connection slot"),
+        );
+        tokio::spawn(egress_proxy::serve_connection(
+            server,
+            Arc::new(admission),
             self.stop.clone(),
         ));
         client.write_all(bytes).await.expect("send");

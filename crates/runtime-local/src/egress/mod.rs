@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use egress_proxy::bounds;
-use egress_proxy::{Allowlist, ConnectionSlot, SessionBounds};
+use egress_proxy::{Allowlist, ConnectionSlot, OneSession, SessionBounds};
 use session_runtime::config::EgressTarget;
 use session_runtime::{Error, SessionId};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
@@ -195,13 +195,8 @@ impl EgressProxy {
                 let allowlist = Arc::clone(&plan.allowlist);
                 let bounds = Arc::clone(&proxy.bounds);
                 move |stream, slot, stop| {
-                    egress_proxy::serve_connection(
-                        stream,
-                        Arc::clone(&allowlist),
-                        Arc::clone(&bounds),
-                        slot,
-                        stop,
-                    )
+                    let admission = OneSession::new(Arc::clone(&allowlist), Arc::clone(&bounds), slot);
+                    egress_proxy::serve_connection(stream, Arc::new(admission), stop)
                 }
             },
         ));
@@ -232,10 +227,6 @@ impl EgressProxy {
         self.bounds.open_connections()
     }
 }
-
-/// What a connection beyond its session's limit is answered on the HTTP proxy's socket.
-const OVER_LIMIT: &[u8] =
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
 /// Accepts connections on `listener` until `stop`, handing each to `handle` with its place
 /// among the session's connections (`handle` keeps it as long as the connection lasts, and ends
@@ -272,7 +263,7 @@ async fn serve<F, Fut>(
         let Some(slot) = bounds.connection() else {
             if http {
                 // Never waits: a client that does not read its answer just loses it.
-                let _ = stream.try_write(OVER_LIMIT);
+                let _ = stream.try_write(bounds::OVER_LIMIT);
             }
             drop(stream);
             bounds.refuse(

@@ -1,0 +1,113 @@
+//! `oab-egress-gateway`: the egress gateway of the Kubernetes runtime's worker Pods (see the
+//! `gateway` module of the `egress-proxy` crate).
+//!
+//! A binary of its own rather than a subcommand of `oab-runtime`: it goes into a minimal image
+//! of its own beside the workers, and holds none of the runtime backends (nor their clients of
+//! the API server), so what a worker can reach through the network is this proxy only.
+//!
+//! ```text
+//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles.toml [--listen 0.0.0.0:3128]
+//! ```
+//!
+//! It serves until SIGTERM or SIGINT. Exit codes: 0 after a signal, 2 for bad arguments or
+//! files (the message names the file and the key), 1 if it cannot listen.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use egress_proxy::gateway::{parse_profiles, Gateway, GatewayKey};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio_util::sync::CancellationToken;
+
+/// The shortest key accepted, in bytes.
+const MIN_KEY: usize = 32;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "oab-egress-gateway",
+    about = "The egress gateway of the Kubernetes runtime's workers"
+)]
+struct Args {
+    /// Where to listen.
+    #[arg(long, default_value = "0.0.0.0:3128")]
+    listen: SocketAddr,
+    /// The file holding the key that proxy credentials are derived with (at least 32 bytes).
+    #[arg(long)]
+    key_file: PathBuf,
+    /// The TOML file of profiles: `[profiles.NAME] egress_hosts = ["HOST:PORT", ...]`.
+    #[arg(long)]
+    profiles: PathBuf,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(false)
+        .init();
+    let args = Args::parse();
+    let key = match std::fs::read(&args.key_file) {
+        Ok(key) if key.len() >= MIN_KEY => GatewayKey::new(key),
+        Ok(key) => {
+            eprintln!(
+                "oab-egress-gateway: {}: the key is {} bytes; at least {MIN_KEY} are needed",
+                args.key_file.display(),
+                key.len()
+            );
+            return ExitCode::from(2);
+        }
+        Err(error) => {
+            eprintln!("oab-egress-gateway: {}: {error}", args.key_file.display());
+            return ExitCode::from(2);
+        }
+    };
+    let profiles = match std::fs::read_to_string(&args.profiles)
+        .map_err(|e| e.to_string())
+        .and_then(|text| parse_profiles(&text).map_err(|e| e.to_string()))
+    {
+        Ok(profiles) => profiles,
+        Err(error) => {
+            eprintln!("oab-egress-gateway: {}: {error}", args.profiles.display());
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("oab-egress-gateway: starting: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        let listener = match tokio::net::TcpListener::bind(args.listen).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                eprintln!("oab-egress-gateway: listening on {}: {error}", args.listen);
+                return ExitCode::from(1);
+            }
+        };
+        let stop = CancellationToken::new();
+        let (Ok(mut terminate), Ok(mut interrupt)) =
+            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+        else {
+            eprintln!("oab-egress-gateway: cannot handle signals");
+            return ExitCode::from(1);
+        };
+        tracing::info!(listen = %args.listen, profiles = profiles.len(), "egress gateway serving");
+        let gateway = Arc::new(Gateway::new(key, profiles));
+        let serving = tokio::spawn(gateway.serve(listener, stop.clone()));
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+        stop.cancel();
+        let _ = serving.await;
+        tracing::info!("egress gateway stopped");
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,335 @@
+//! The egress gateway: one proxy for the workers of many sessions (a Deployment beside the
+//! Kubernetes runtime's worker Pods), which knows the session of each request by the proxy
+//! credential the runtime derived for it, never by its source address alone.
+//!
+//! A worker is given only its own credential, in its proxy URL
+//! (`http://SESSION.PROFILE:TOKEN@gateway:3128`): `TOKEN = HMAC-SHA256(gateway key, u8 len(SESSION)
+//! ‖ SESSION ‖ u8 len(PROFILE) ‖ PROFILE)` in hex ([`GatewayKey::credential`]). The gateway holds
+//! the key (not the broker's relay key: a gateway that leaks it opens no relay) and each
+//! profile's allowlist, so a worker can name neither another session nor another profile's
+//! destinations: either changes the token it would need.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use data_encoding::{BASE64, HEXLOWER};
+use hmac::{Hmac, Mac};
+use http::{header, Request, StatusCode};
+use hyper::body::Incoming;
+use parking_lot::Mutex;
+use session_runtime::SessionId;
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::bounds::{self, SessionBounds};
+use crate::{Admission, Admitted, Allowlist, Refusal};
+
+/// Connections the gateway holds at once over all sessions (each session also has its own
+/// [`bounds::MAX_CONNECTIONS`]): one more is answered `503` and closed.
+pub const MAX_GATEWAY_CONNECTIONS: usize = 4096;
+/// How long a session with no open connection keeps its bounds (its refusal log's state).
+const IDLE_SESSION: Duration = Duration::from_secs(600);
+
+/// The gateway's secret for proxy credentials. Its `Debug` output never shows it.
+#[derive(Clone)]
+pub struct GatewayKey(Vec<u8>);
+
+impl fmt::Debug for GatewayKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("GatewayKey(<redacted>)")
+    }
+}
+
+impl GatewayKey {
+    /// Wraps a secret key (use at least 32 random bytes).
+    pub fn new(key: impl Into<Vec<u8>>) -> Self {
+        GatewayKey(key.into())
+    }
+
+    /// The proxy credential of session `id` under worker profile `profile`.
+    pub fn credential(&self, id: SessionId, profile: &str) -> ProxyCredential {
+        ProxyCredential {
+            user: format!("{id}.{profile}"),
+            token: HEXLOWER.encode(&self.token(id, profile)),
+        }
+    }
+
+    fn token(&self, id: SessionId, profile: &str) -> [u8; 32] {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC accepts keys of any length");
+        // Length prefixes keep (session, profile) pairs unambiguous.
+        for part in [id.as_ref(), profile] {
+            mac.update(&[u8::try_from(part.len()).unwrap_or(u8::MAX)]);
+            mac.update(part.as_bytes());
+        }
+        mac.finalize().into_bytes().into()
+    }
+}
+
+/// A session's proxy credential: the user `SESSION.PROFILE` and its token. Its `Debug` output
+/// never shows the token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ProxyCredential {
+    user: String,
+    token: String,
+}
+
+impl fmt::Debug for ProxyCredential {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProxyCredential")
+            .field("user", &self.user)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+impl ProxyCredential {
+    /// The proxy URL a worker is given: `http://USER:TOKEN@AUTHORITY` for the gateway at
+    /// `authority` (`host:port`).
+    pub fn proxy_url(&self, authority: &str) -> String {
+        format!("http://{}:{}@{authority}", self.user, self.token)
+    }
+
+    /// The `Proxy-Authorization` header value a client sends for it.
+    pub fn header_value(&self) -> String {
+        format!(
+            "Basic {}",
+            BASE64.encode(format!("{}:{}", self.user, self.token).as_bytes())
+        )
+    }
+}
+
+/// A session's bounds at the gateway, and when it last had a request.
+#[derive(Debug)]
+struct SessionEntry {
+    bounds: Arc<SessionBounds>,
+    used: Instant,
+}
+
+/// The gateway's admission: the session of a request from its `Proxy-Authorization`.
+#[derive(Debug)]
+pub struct Gateway {
+    key: GatewayKey,
+    profiles: HashMap<String, Arc<Allowlist>>,
+    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    /// Refusals of requests no session is known for: counted and logged at the same bounded
+    /// rate as a session's, as session `-`.
+    unknown: Arc<SessionBounds>,
+}
+
+impl Gateway {
+    /// A gateway that verifies credentials with `key` and serves each profile of `profiles`
+    /// (profile name to its allowlist).
+    pub fn new(key: GatewayKey, profiles: HashMap<String, Allowlist>) -> Self {
+        Gateway {
+            key,
+            profiles: profiles
+                .into_iter()
+                .map(|(name, allowlist)| (name, Arc::new(allowlist)))
+                .collect(),
+            sessions: Mutex::new(HashMap::new()),
+            unknown: SessionBounds::unattributed(),
+        }
+    }
+
+    /// Accepts connections on `listener` until `stop`, serving each until it ends or `stop`,
+    /// at most [`MAX_GATEWAY_CONNECTIONS`] at once.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, stop: CancellationToken) {
+        let open = Arc::new(Semaphore::new(MAX_GATEWAY_CONNECTIONS));
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) if bounds::accept_exhausted(&error) => {
+                    self.refused(&format!("cannot accept a connection now, waiting: {error}"));
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(bounds::ACCEPT_BACKOFF) => continue,
+                    }
+                }
+                Err(_) => continue,
+            };
+            let Ok(permit) = Arc::clone(&open).try_acquire_owned() else {
+                // Never waits: a client that does not read its answer just loses it.
+                let _ = stream.try_write(bounds::OVER_LIMIT);
+                self.refused(&format!(
+                    "the gateway has {MAX_GATEWAY_CONNECTIONS} connections open, its limit"
+                ));
+                continue;
+            };
+            let admission: Arc<dyn Admission> = Arc::clone(&self) as Arc<dyn Admission>;
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                crate::serve_connection(stream, admission, stop).await;
+            });
+        }
+    }
+
+    /// The session `request`'s credential names, if its token is the one the key gives it.
+    fn authenticate(&self, request: &Request<Incoming>) -> Result<(SessionId, String), Refusal> {
+        let denied = |reason: &str| Refusal::new(StatusCode::PROXY_AUTHENTICATION_REQUIRED, reason);
+        let value = request
+            .headers()
+            .get(header::PROXY_AUTHORIZATION)
+            .ok_or_else(|| denied("no proxy credential (Proxy-Authorization)"))?;
+        let encoded = value
+            .to_str()
+            .ok()
+            .and_then(|value| value.strip_prefix("Basic "))
+            .ok_or_else(|| denied("a proxy credential that is not Basic"))?;
+        let decoded = BASE64
+            .decode(encoded.trim().as_bytes())
+            .ok()
+            .and_then(|bytes| String::from_utf8(bytes).ok())
+            .ok_or_else(|| denied("a proxy credential that is not base64 of user:token"))?;
+        let (user, token) = decoded
+            .split_once(':')
+            .ok_or_else(|| denied("a proxy credential without a token"))?;
+        let (session, profile) = user
+            .split_once('.')
+            .ok_or_else(|| denied("a proxy credential whose user is not SESSION.PROFILE"))?;
+        let id = SessionId::parse(session).map_err(|_| denied("a proxy credential naming no session"))?;
+        let expected = HEXLOWER.encode(&self.key.token(id, profile));
+        if !bool::from(expected.as_bytes().ct_eq(token.as_bytes())) {
+            return Err(denied("a proxy credential whose token is not its session's"));
+        }
+        Ok((id, profile.to_owned()))
+    }
+
+    /// The bounds of session `id`, made on its first request; sessions idle for
+    /// [`IDLE_SESSION`] with nothing open are forgotten meanwhile.
+    fn bounds(&self, id: SessionId) -> Arc<SessionBounds> {
+        let mut sessions = self.sessions.lock();
+        let now = Instant::now();
+        if let Some(entry) = sessions.get_mut(&id) {
+            entry.used = now;
+            return Arc::clone(&entry.bounds);
+        }
+        sessions.retain(|_, entry| {
+            entry.bounds.open_connections() > 0 || now.duration_since(entry.used) < IDLE_SESSION
+        });
+        let bounds = SessionBounds::new(id);
+        sessions.insert(
+            id,
+            SessionEntry {
+                bounds: Arc::clone(&bounds),
+                used: now,
+            },
+        );
+        bounds
+    }
+}
+
+impl Admission for Gateway {
+    fn admit(&self, request: &Request<Incoming>) -> Result<Admitted, Refusal> {
+        let (id, profile) = self.authenticate(request)?;
+        let bounds = self.bounds(id);
+        let Some(allowlist) = self.profiles.get(&profile) else {
+            let reason = format!("profile {profile} has no egress at this gateway");
+            bounds.refuse(None, &reason);
+            return Err(Refusal::forbidden(reason));
+        };
+        let Some(slot) = bounds.connection() else {
+            let reason = format!(
+                "the session has {} connections open through the gateway, its limit",
+                bounds::MAX_CONNECTIONS
+            );
+            bounds.refuse(None, &reason);
+            return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, reason));
+        };
+        Ok(Admitted {
+            allowlist: Arc::clone(allowlist),
+            bounds,
+            slot: Some(Arc::new(slot)),
+        })
+    }
+
+    fn refused(&self, reason: &str) {
+        self.unknown.refuse(None, reason);
+    }
+}
+
+/// Why a gateway's profiles file was refused: the key, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {problem}")]
+pub struct ProfilesError {
+    /// The key, as a path (`profiles.work.egress_hosts[1]`).
+    pub key: String,
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// Reads a gateway's profiles: a TOML table per worker profile, with the destinations its
+/// sessions may reach through the gateway:
+///
+/// ```toml
+/// [profiles.work]
+/// egress_hosts = ["github.com:443", "registry.npmjs.org:443"]
+/// ```
+///
+/// # Errors
+///
+/// [`ProfilesError`] naming the first key that is not TOML, unknown, of the wrong type, or not
+/// a destination [`EgressTarget::parse`](session_runtime::config::EgressTarget::parse) accepts.
+pub fn parse_profiles(text: &str) -> Result<HashMap<String, Allowlist>, ProfilesError> {
+    let error = |key: &str, problem: String| ProfilesError {
+        key: key.to_owned(),
+        problem,
+    };
+    let document: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| error("(file)", e.to_string()))?;
+    let mut profiles = HashMap::new();
+    for (key, value) in document {
+        if key != "profiles" {
+            return Err(error(
+                &key,
+                "unknown key; the file has `profiles` only".to_owned(),
+            ));
+        }
+        let toml::Value::Table(table) = value else {
+            return Err(error("profiles", "must be a table of profiles".to_owned()));
+        };
+        for (name, profile) in table {
+            let at = format!("profiles.{name}");
+            let toml::Value::Table(profile) = profile else {
+                return Err(error(&at, "must be a table".to_owned()));
+            };
+            let mut targets = Vec::new();
+            for (key, value) in profile {
+                let at = format!("{at}.{key}");
+                if key != "egress_hosts" {
+                    return Err(error(
+                        &at,
+                        "unknown key; a profile has `egress_hosts` only".to_owned(),
+                    ));
+                }
+                let toml::Value::Array(entries) = value else {
+                    return Err(error(&at, "must be an array of \"HOST:PORT\" strings".to_owned()));
+                };
+                for (index, entry) in entries.iter().enumerate() {
+                    let at = format!("{at}[{index}]");
+                    let toml::Value::String(entry) = entry else {
+                        return Err(error(&at, "must be a \"HOST:PORT\" string".to_owned()));
+                    };
+                    let target = session_runtime::config::EgressTarget::parse(entry)
+                        .map_err(|e| error(&at, e.to_string()))?;
+                    if targets.contains(&target) {
+                        return Err(error(&at, format!("{entry:?} is listed twice")));
+                    }
+                    targets.push(target);
+                }
+            }
+            profiles.insert(name, Allowlist::new(targets));
+        }
+    }
+    Ok(profiles)
+}

@@ -1,0 +1,372 @@
+//! The egress gateway over loopback TCP, as a worker Pod reaches it: a request is served for the
+//! session its proxy credential names, within that session's profile and limits; a missing,
+//! malformed or borrowed credential, another profile, an unlisted destination and an oversized
+//! head are each refused with their status and logged, and the gateway goes on serving. Every
+//! destination is a listener this test owns on loopback.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use egress_proxy::bounds::MAX_CONNECTIONS;
+use egress_proxy::gateway::{parse_profiles, Gateway, GatewayKey, ProxyCredential};
+use session_runtime::{SessionId, SessionIdentity};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// Everything the gateway logged in this test binary.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log() -> &'static Captured {
+    static LOG: OnceLock<Captured> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .init();
+        captured
+    })
+}
+
+fn logged() -> String {
+    String::from_utf8_lossy(&log().0.lock().expect("log")).into_owned()
+}
+
+fn session(thread: &str) -> SessionId {
+    SessionIdentity::new("gateway", "agent", "test", thread)
+        .expect("identity")
+        .id()
+}
+
+/// A loopback destination that answers `word` to whatever it is sent.
+async fn destination(word: &'static str) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 1024];
+                let _ = stream.read(&mut request).await;
+                let _ = stream.write_all(format!("{word}\n").as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    address
+}
+
+struct Running {
+    address: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn gateway(key: &GatewayKey, profiles: &str) -> Running {
+    let profiles = parse_profiles(profiles).expect("profiles");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let stop = CancellationToken::new();
+    tokio::spawn(Arc::new(Gateway::new(key.clone(), profiles)).serve(listener, stop.clone()));
+    Running { address, stop }
+}
+
+/// A `CONNECT` to `target` with `authorization` (a `Proxy-Authorization` value), then a line
+/// through the tunnel if it opened: the status line, and the destination's answer.
+async fn connect(gateway: SocketAddr, target: &str, authorization: Option<&str>) -> (String, String) {
+    let stream = TcpStream::connect(gateway).await.expect("connect to the gateway");
+    let mut stream = BufReader::new(stream);
+    let credential =
+        authorization.map_or_else(String::new, |value| format!("Proxy-Authorization: {value}\r\n"));
+    stream
+        .get_mut()
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{credential}\r\n").as_bytes())
+        .await
+        .expect("send");
+    let mut status = String::new();
+    stream.read_line(&mut status).await.expect("status");
+    let mut rest = String::new();
+    if status.starts_with("HTTP/1.1 200") {
+        // The blank line that ends the answer's head, then the tunnel.
+        loop {
+            let mut line = String::new();
+            if stream.read_line(&mut line).await.expect("head") == 0 || line == "\r\n" {
+                break;
+            }
+        }
+        stream.get_mut().write_all(b"hello\n").await.expect("through");
+        stream.read_to_string(&mut rest).await.expect("answer");
+    } else {
+        stream.read_to_string(&mut rest).await.expect("answer");
+    }
+    (status.trim_end().to_owned(), rest)
+}
+
+fn basic(user_and_token: &str) -> String {
+    format!(
+        "Basic {}",
+        data_encoding::BASE64.encode(user_and_token.as_bytes())
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_reaches_what_its_profile_lists_with_its_own_credential_only() {
+    let _ = log();
+    let key = GatewayKey::new([7u8; 32]);
+    let listed = destination("listed").await;
+    let unlisted = destination("unlisted").await;
+    let gateway = gateway(
+        &key,
+        &format!("[profiles.work]\negress_hosts = [\"{listed} loopback\"]\n"),
+    )
+    .await;
+    let (a, b) = (session("a"), session("b"));
+    let own = key.credential(a, "work");
+    let (status, answer) = connect(gateway.address, &listed.to_string(), Some(&own.header_value())).await;
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    assert_eq!(answer, "listed\n");
+
+    let a_token = own
+        .proxy_url("x")
+        .split(':')
+        .nth(2)
+        .and_then(|t| t.split('@').next())
+        .map(str::to_owned);
+    let a_token = a_token.expect("a token in the proxy URL");
+    let refusals: Vec<(&str, Option<String>, &str, &str)> = vec![
+        ("no credential", None, "407", "no proxy credential"),
+        ("not Basic", Some("Bearer x".to_owned()), "407", "not Basic"),
+        ("not base64", Some("Basic !!!".to_owned()), "407", "not base64"),
+        (
+            "no token",
+            Some(basic(&format!("{a}.work"))),
+            "407",
+            "without a token",
+        ),
+        (
+            "no profile",
+            Some(basic(&format!("{a}:{a_token}"))),
+            "407",
+            "SESSION.PROFILE",
+        ),
+        (
+            "another session's name with a's token",
+            Some(basic(&format!("{b}.work:{a_token}"))),
+            "407",
+            "not its session's",
+        ),
+        (
+            "another profile's name with a's token",
+            Some(basic(&format!("{a}.other:{a_token}"))),
+            "407",
+            "not its session's",
+        ),
+        (
+            "a profile the gateway does not serve",
+            Some(key.credential(a, "absent").header_value()),
+            "403",
+            "no egress at this gateway",
+        ),
+    ];
+    for (case, authorization, code, reason) in &refusals {
+        let (status, answer) = connect(gateway.address, &listed.to_string(), authorization.as_deref()).await;
+        assert!(
+            status.starts_with(&format!("HTTP/1.1 {code}")),
+            "{case}: {status}"
+        );
+        assert!(answer.contains(reason), "{case}: {answer:?}");
+    }
+    let (status, _) = connect(gateway.address, &unlisted.to_string(), Some(&own.header_value())).await;
+    assert!(status.starts_with("HTTP/1.1 403"), "unlisted: {status}");
+    let oversized = format!("{}\r\nX-Long: {}", own.header_value(), "a".repeat(20 * 1024));
+    let (status, _) = connect(gateway.address, &listed.to_string(), Some(&oversized)).await;
+    assert!(status.starts_with("HTTP/1.1 431"), "oversized: {status}");
+
+    // The gateway goes on serving.
+    let (status, answer) = connect(gateway.address, &listed.to_string(), Some(&own.header_value())).await;
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    assert_eq!(answer, "listed\n");
+
+    // Each refusal is logged with the session when known, the destination when it got that far,
+    // and the reason; the token never.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let text = logged();
+    let token_shown = text.contains(&a_token);
+    assert!(!token_shown, "a token in the log:\n{text}");
+    assert!(
+        text.lines().any(|line| line.contains("egress refused")
+            && line.contains(&format!("session={a}"))
+            && line.contains(&format!("destination={unlisted}"))
+            && line.contains("reason=not in the session's allowlist")),
+        "no refusal of the unlisted destination logged:\n{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|line| line.contains("session=-") && line.contains("reason=no proxy credential")),
+        "no refusal of the missing credential logged:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_at_its_connection_limit_does_not_stop_another() {
+    let _ = log();
+    let key = GatewayKey::new([9u8; 32]);
+    // A destination that holds every connection open.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let held = listener.local_addr().expect("address");
+    let stop_holding = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop_holding.clone();
+        async move {
+            let mut open = Vec::new();
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => open.push(stream),
+                        Err(_) => return,
+                    },
+                }
+            }
+        }
+    });
+    let answering = destination("served").await;
+    let gateway = gateway(
+        &key,
+        &format!("[profiles.work]\negress_hosts = [\"{held} loopback\", \"{answering} loopback\"]\n"),
+    )
+    .await;
+    let flooding = key.credential(session("flooding"), "work");
+    let mut tunnels = Vec::new();
+    for _ in 0..MAX_CONNECTIONS {
+        let mut stream = TcpStream::connect(gateway.address).await.expect("connect");
+        stream
+            .write_all(
+                format!(
+                    "CONNECT {held} HTTP/1.1\r\nProxy-Authorization: {}\r\n\r\n",
+                    flooding.header_value()
+                )
+                .as_bytes(),
+            )
+            .await
+            .expect("send");
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await.expect("an answer");
+        assert_eq!(&head, b"HTTP/1.1 200");
+        tunnels.push(stream);
+    }
+    let (status, _) = connect(
+        gateway.address,
+        &answering.to_string(),
+        Some(&flooding.header_value()),
+    )
+    .await;
+    assert!(status.starts_with("HTTP/1.1 503"), "over its limit: {status}");
+    let other: ProxyCredential = key.credential(session("other"), "work");
+    let (status, answer) = connect(
+        gateway.address,
+        &answering.to_string(),
+        Some(&other.header_value()),
+    )
+    .await;
+    assert!(status.starts_with("HTTP/1.1 200"), "another session: {status}");
+    assert_eq!(answer, "served\n");
+    // Its tunnels closed, the flooding session is served again.
+    drop(tunnels);
+    let served = async {
+        loop {
+            let (status, _) = connect(
+                gateway.address,
+                &answering.to_string(),
+                Some(&flooding.header_value()),
+            )
+            .await;
+            if status.starts_with("HTTP/1.1 200") {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), served)
+        .await
+        .expect("the session is served once its tunnels closed");
+    stop_holding.cancel();
+}
+
+#[test]
+fn a_profiles_file_is_refused_naming_the_key() {
+    for (text, key) in [
+        (
+            "[profiles.work]\negress_hosts = [\"github.com:443\", \"github.com\"]\n",
+            "profiles.work.egress_hosts[1]",
+        ),
+        ("[profiles.work]\negress_host = []\n", "profiles.work.egress_host"),
+        (
+            "[profiles.work]\negress_hosts = \"github.com:443\"\n",
+            "profiles.work.egress_hosts",
+        ),
+        (
+            "[profiles.work]\negress_hosts = [\"a.example:443\", \"a.example:443\"]\n",
+            "profiles.work.egress_hosts[1]",
+        ),
+        ("[profile.work]\n", "profile"),
+        ("profiles = [", "(file)"),
+    ] {
+        let error = parse_profiles(text).expect_err(text);
+        assert_eq!(error.key, key, "{text}: {error}");
+    }
+    let profiles: HashMap<_, _> =
+        parse_profiles("[profiles.work]\negress_hosts = [\"github.com:443\"]\n[profiles.none]\n")
+            .expect("profiles");
+    assert_eq!(profiles["work"].targets().len(), 1);
+    assert!(profiles["none"].targets().is_empty());
+}
+
+#[test]
+fn the_binary_refuses_a_short_key_and_a_bad_profile_naming_them() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (key, profiles) = (dir.path().join("key"), dir.path().join("profiles.toml"));
+    std::fs::write(&key, [1u8; 16]).expect("key");
+    std::fs::write(&profiles, "[profiles.work]\negress_hosts = [\"github.com\"]\n").expect("profiles");
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_oab-egress-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--key-file"])
+            .arg(&key)
+            .arg("--profiles")
+            .arg(&profiles)
+            .output()
+            .expect("run the gateway")
+    };
+    let output = run();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("16 bytes"),
+        "{output:?}"
+    );
+    std::fs::write(&key, [1u8; 32]).expect("key");
+    let output = run();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("profiles.work.egress_hosts[0]"),
+        "{output:?}"
+    );
+}
