@@ -14,7 +14,7 @@
 //!
 //! so the memory a session's proxy holds is bounded: per connection, the read buffer of at most
 //! [`MAX_HEAD`] and the two 8 KiB buffers of a tunnel, about 2 MiB per session in all.
-//! Refusals are counted, and logged at most [`LOG_BURST`] at once and one a second after that,
+//! Refusals are counted, and logged at most five at once and one a second after that,
 //! each line saying how many were not logged since the last.
 
 use std::fmt;

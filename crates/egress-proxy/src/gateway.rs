@@ -257,79 +257,83 @@ impl Admission for Gateway {
     }
 }
 
-/// Why a gateway's profiles file was refused: the key, and what is wrong with it.
+/// Why a worker profile's `egress_hosts` were refused: the key, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{key}: {problem}")]
 pub struct ProfilesError {
-    /// The key, as a path (`profiles.work.egress_hosts[1]`).
+    /// The key, as the Kubernetes runtime names it (`profile/NAME.egress_hosts`).
     pub key: String,
     /// What is wrong.
     pub problem: String,
 }
 
-/// Reads a gateway's profiles: a TOML table per worker profile, with the destinations its
-/// sessions may reach through the gateway:
-///
-/// ```toml
-/// [profiles.work]
-/// egress_hosts = ["github.com:443", "registry.npmjs.org:443"]
-/// ```
+/// The allowlist of worker profile `name`: the `egress_hosts` of its TOML document (the
+/// ConfigMap's `profile.toml`, which the runtime validates as a whole; the gateway reads this
+/// one key and leaves the rest to it).
 ///
 /// # Errors
 ///
-/// [`ProfilesError`] naming the first key that is not TOML, unknown, of the wrong type, or not
-/// a destination [`EgressTarget::parse`](session_runtime::config::EgressTarget::parse) accepts.
-pub fn parse_profiles(text: &str) -> Result<HashMap<String, Allowlist>, ProfilesError> {
+/// [`ProfilesError`] when the document is not TOML, or `egress_hosts` is not an array of
+/// destinations [`EgressTarget::parse`](session_runtime::config::EgressTarget::parse) accepts,
+/// each listed once.
+pub fn profile_allowlist(name: &str, document: &str) -> Result<Allowlist, ProfilesError> {
     let error = |key: &str, problem: String| ProfilesError {
-        key: key.to_owned(),
+        key: format!("profile/{name}{key}"),
         problem,
     };
-    let document: toml::Table = text
+    let document: toml::Table = document
         .parse()
-        .map_err(|e: toml::de::Error| error("(file)", e.to_string()))?;
-    let mut profiles = HashMap::new();
-    for (key, value) in document {
-        if key != "profiles" {
-            return Err(error(
-                &key,
-                "unknown key; the file has `profiles` only".to_owned(),
-            ));
-        }
-        let toml::Value::Table(table) = value else {
-            return Err(error("profiles", "must be a table of profiles".to_owned()));
+        .map_err(|e: toml::de::Error| error("", e.to_string()))?;
+    let Some(value) = document.get("egress_hosts") else {
+        return Ok(Allowlist::default());
+    };
+    let toml::Value::Array(entries) = value else {
+        return Err(error(
+            ".egress_hosts",
+            "must be an array of \"HOST:PORT\" strings".to_owned(),
+        ));
+    };
+    let mut targets = Vec::new();
+    for (index, entry) in entries.iter().enumerate() {
+        let entry_error = |problem: String| error(".egress_hosts", format!("entry {}: {problem}", index + 1));
+        let toml::Value::String(entry) = entry else {
+            return Err(entry_error("must be a \"HOST:PORT\" string".to_owned()));
         };
-        for (name, profile) in table {
-            let at = format!("profiles.{name}");
-            let toml::Value::Table(profile) = profile else {
-                return Err(error(&at, "must be a table".to_owned()));
-            };
-            let mut targets = Vec::new();
-            for (key, value) in profile {
-                let at = format!("{at}.{key}");
-                if key != "egress_hosts" {
-                    return Err(error(
-                        &at,
-                        "unknown key; a profile has `egress_hosts` only".to_owned(),
-                    ));
-                }
-                let toml::Value::Array(entries) = value else {
-                    return Err(error(&at, "must be an array of \"HOST:PORT\" strings".to_owned()));
-                };
-                for (index, entry) in entries.iter().enumerate() {
-                    let at = format!("{at}[{index}]");
-                    let toml::Value::String(entry) = entry else {
-                        return Err(error(&at, "must be a \"HOST:PORT\" string".to_owned()));
-                    };
-                    let target = session_runtime::config::EgressTarget::parse(entry)
-                        .map_err(|e| error(&at, e.to_string()))?;
-                    if targets.contains(&target) {
-                        return Err(error(&at, format!("{entry:?} is listed twice")));
-                    }
-                    targets.push(target);
-                }
-            }
-            profiles.insert(name, Allowlist::new(targets));
+        let target =
+            session_runtime::config::EgressTarget::parse(entry).map_err(|e| entry_error(e.to_string()))?;
+        if targets.contains(&target) {
+            return Err(entry_error(format!("{entry:?} is listed twice")));
         }
+        targets.push(target);
+    }
+    Ok(Allowlist::new(targets))
+}
+
+/// The allowlists of the worker profiles in `dir`: one file `NAME.toml` per profile (the
+/// gateway's Deployment projects each profile ConfigMap's `profile.toml` there); other files
+/// are ignored.
+///
+/// # Errors
+///
+/// [`ProfilesError`] for a file that cannot be read (key `profile/NAME`) or whose
+/// `egress_hosts` are refused ([`profile_allowlist`]).
+pub fn load_profiles(dir: &std::path::Path) -> Result<HashMap<String, Allowlist>, ProfilesError> {
+    let unreadable = |key: String, problem: String| ProfilesError { key, problem };
+    let entries = std::fs::read_dir(dir).map_err(|e| unreadable(dir.display().to_string(), e.to_string()))?;
+    let mut profiles = HashMap::new();
+    for entry in entries {
+        let path = entry
+            .map_err(|e| unreadable(dir.display().to_string(), e.to_string()))?
+            .path();
+        let (Some(name), Some("toml")) = (
+            path.file_stem().and_then(|stem| stem.to_str()),
+            path.extension().and_then(|extension| extension.to_str()),
+        ) else {
+            continue;
+        };
+        let document = std::fs::read_to_string(&path)
+            .map_err(|e| unreadable(format!("profile/{name}"), e.to_string()))?;
+        profiles.insert(name.to_owned(), profile_allowlist(name, &document)?);
     }
     Ok(profiles)
 }

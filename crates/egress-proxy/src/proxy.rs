@@ -96,7 +96,7 @@ async fn handle(
         slot,
     } = admitted;
     let target = destination_of(&request).inspect_err(|refusal| bounds.refuse(None, &refusal.reason))?;
-    let destination = authority(&target);
+    let destination = target.authority();
     let Some(entry) = allowlist.entry(&target.host(), target.port()) else {
         bounds.refuse(Some(&destination), "not in the session's allowlist");
         return Err(Refusal::forbidden(format!(
@@ -147,16 +147,6 @@ fn destination_of(request: &Request<Incoming>) -> Result<EgressTarget, Refusal> 
     };
     EgressTarget::parse_authority(authority.as_str(), Some(80))
         .map_err(|why| Refusal::bad_request(format!("bad authority in {uri}: {why}")))
-}
-
-/// `host:port`, with an IPv6 host in brackets.
-fn authority(target: &EgressTarget) -> String {
-    let host = target.host();
-    if host.contains(':') {
-        format!("[{host}]:{}", target.port())
-    } else {
-        format!("{host}:{}", target.port())
-    }
 }
 
 /// Connects to the first address of `target` that answers, among those its `entry` allows.

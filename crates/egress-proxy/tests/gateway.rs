@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use egress_proxy::bounds::MAX_CONNECTIONS;
-use egress_proxy::gateway::{parse_profiles, Gateway, GatewayKey, ProxyCredential};
+use egress_proxy::gateway::{load_profiles, profile_allowlist, Gateway, GatewayKey, ProxyCredential};
 use session_runtime::{SessionId, SessionIdentity};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -81,8 +81,14 @@ impl Drop for Running {
     }
 }
 
-async fn gateway(key: &GatewayKey, profiles: &str) -> Running {
-    let profiles = parse_profiles(profiles).expect("profiles");
+/// A gateway serving profile `work` whose `egress_hosts` are `hosts`.
+async fn gateway(key: &GatewayKey, hosts: &[String]) -> Running {
+    let document = format!("image = \"w\"\negress_hosts = {hosts:?}\n");
+    let profiles = [(
+        "work".to_owned(),
+        profile_allowlist("work", &document).expect("a profile"),
+    )]
+    .into();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let stop = CancellationToken::new();
@@ -134,11 +140,7 @@ async fn a_session_reaches_what_its_profile_lists_with_its_own_credential_only()
     let key = GatewayKey::new([7u8; 32]);
     let listed = destination("listed").await;
     let unlisted = destination("unlisted").await;
-    let gateway = gateway(
-        &key,
-        &format!("[profiles.work]\negress_hosts = [\"{listed} loopback\"]\n"),
-    )
-    .await;
+    let gateway = gateway(&key, &[format!("{listed} loopback")]).await;
     let (a, b) = (session("a"), session("b"));
     let own = key.credential(a, "work");
     let (status, answer) = connect(gateway.address, &listed.to_string(), Some(&own.header_value())).await;
@@ -252,7 +254,7 @@ async fn a_session_at_its_connection_limit_does_not_stop_another() {
     let answering = destination("served").await;
     let gateway = gateway(
         &key,
-        &format!("[profiles.work]\negress_hosts = [\"{held} loopback\", \"{answering} loopback\"]\n"),
+        &[format!("{held} loopback"), format!("{answering} loopback")],
     )
     .await;
     let flooding = key.credential(session("flooding"), "work");
@@ -313,30 +315,49 @@ async fn a_session_at_its_connection_limit_does_not_stop_another() {
 }
 
 #[test]
-fn a_profiles_file_is_refused_naming_the_key() {
-    for (text, key) in [
+fn a_profiles_egress_hosts_are_refused_naming_the_key_and_the_rest_left_to_the_runtime() {
+    for (document, key, problem) in [
         (
-            "[profiles.work]\negress_hosts = [\"github.com:443\", \"github.com\"]\n",
-            "profiles.work.egress_hosts[1]",
-        ),
-        ("[profiles.work]\negress_host = []\n", "profiles.work.egress_host"),
-        (
-            "[profiles.work]\negress_hosts = \"github.com:443\"\n",
-            "profiles.work.egress_hosts",
+            "egress_hosts = [\"github.com:443\", \"github.com\"]\n",
+            "profile/work.egress_hosts",
+            "entry 2:",
         ),
         (
-            "[profiles.work]\negress_hosts = [\"a.example:443\", \"a.example:443\"]\n",
-            "profiles.work.egress_hosts[1]",
+            "egress_hosts = \"github.com:443\"\n",
+            "profile/work.egress_hosts",
+            "array",
         ),
-        ("[profile.work]\n", "profile"),
-        ("profiles = [", "(file)"),
+        (
+            "egress_hosts = [\"a.example:443\", \"a.example:443\"]\n",
+            "profile/work.egress_hosts",
+            "twice",
+        ),
+        ("egress_hosts = [443]\n", "profile/work.egress_hosts", "entry 1:"),
+        ("egress_hosts = [", "profile/work", ""),
     ] {
-        let error = parse_profiles(text).expect_err(text);
-        assert_eq!(error.key, key, "{text}: {error}");
+        let error = profile_allowlist("work", document).expect_err(document);
+        assert_eq!(error.key, key, "{document}: {error}");
+        assert!(error.problem.contains(problem), "{document}: {error}");
     }
-    let profiles: HashMap<_, _> =
-        parse_profiles("[profiles.work]\negress_hosts = [\"github.com:443\"]\n[profiles.none]\n")
-            .expect("profiles");
+    let allowlist = profile_allowlist(
+        "work",
+        "image = \"w\"\n[resources]\ncpu_limit = \"1\"\negress_hosts = [\"x:1\"]\n",
+    )
+    .expect("other keys are the runtime's");
+    assert!(
+        allowlist.targets().is_empty(),
+        "a key of [resources] is not the profile's egress_hosts"
+    );
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(
+        dir.path().join("work.toml"),
+        "egress_hosts = [\"github.com:443\"]\n",
+    )
+    .expect("write");
+    std::fs::write(dir.path().join("none.toml"), "image = \"w\"\n").expect("write");
+    std::fs::write(dir.path().join("README"), "not a profile").expect("write");
+    let profiles: HashMap<_, _> = load_profiles(dir.path()).expect("profiles");
+    assert_eq!(profiles.len(), 2);
     assert_eq!(profiles["work"].targets().len(), 1);
     assert!(profiles["none"].targets().is_empty());
 }
@@ -344,9 +365,10 @@ fn a_profiles_file_is_refused_naming_the_key() {
 #[test]
 fn the_binary_refuses_a_short_key_and_a_bad_profile_naming_them() {
     let dir = tempfile::tempdir().expect("dir");
-    let (key, profiles) = (dir.path().join("key"), dir.path().join("profiles.toml"));
+    let (key, profiles) = (dir.path().join("key"), dir.path().join("profiles"));
     std::fs::write(&key, [1u8; 16]).expect("key");
-    std::fs::write(&profiles, "[profiles.work]\negress_hosts = [\"github.com\"]\n").expect("profiles");
+    std::fs::create_dir(&profiles).expect("profiles");
+    std::fs::write(profiles.join("work.toml"), "egress_hosts = [\"github.com\"]\n").expect("a profile");
     let run = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_oab-egress-gateway"))
             .args(["--listen", "127.0.0.1:0", "--key-file"])
@@ -366,7 +388,7 @@ fn the_binary_refuses_a_short_key_and_a_bad_profile_naming_them() {
     let output = run();
     assert_eq!(output.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&output.stderr).contains("profiles.work.egress_hosts[0]"),
+        String::from_utf8_lossy(&output.stderr).contains("profile/work.egress_hosts: entry 1:"),
         "{output:?}"
     );
 }

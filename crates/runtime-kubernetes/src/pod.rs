@@ -33,6 +33,9 @@ const HOME_DIR: &str = "home";
 /// The worker's only container.
 pub(crate) const CONTAINER: &str = "worker";
 
+/// What `NO_PROXY` says in a worker with a proxy: loopback is reached directly.
+const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
 /// What one worker Pod is made of besides the profile.
 #[derive(Debug)]
 pub(crate) struct WorkerSpec<'a> {
@@ -51,6 +54,8 @@ pub(crate) struct WorkerSpec<'a> {
     /// kubelet noticing its exit only at its next relist), so a claim whose directories an earlier
     /// worker or the seed Job made goes without one.
     pub(crate) prepare: bool,
+    /// The worker's proxy URL with its own credential, when its profile names an egress gateway.
+    pub(crate) proxy: Option<&'a str>,
 }
 
 pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod {
@@ -147,6 +152,15 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         plain_env("OAB_RELAY_TOKEN_SHA256", spec.token_hash.to_hex()),
         plain_env("HOME", profile.home_path.clone()),
     ];
+    if let Some(proxy) = spec.proxy {
+        // Upper and lower case: clients read one or the other. Loopback stays direct.
+        for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
+            env.push(plain_env(name, proxy.to_owned()));
+        }
+        for name in ["NO_PROXY", "no_proxy"] {
+            env.push(plain_env(name, NO_PROXY.to_owned()));
+        }
+    }
     env.extend(profile.env.iter().map(|secret| EnvVar {
         name: secret.name.clone(),
         value_from: Some(EnvVarSource {
@@ -374,8 +388,61 @@ mod tests {
             anchor_uid: "uid",
             claim: Some("claim"),
             prepare: true,
+            proxy: None,
         };
         (id, worker_pod(&profile, &spec))
+    }
+
+    fn env(pod: &Pod) -> Vec<(String, String)> {
+        pod.spec.as_ref().expect("spec").containers[0]
+            .env
+            .iter()
+            .flatten()
+            .filter_map(|var| Some((var.name.clone(), var.value.clone()?)))
+            .collect()
+    }
+
+    #[test]
+    fn a_worker_with_a_gateway_gets_its_proxy_and_one_without_gets_none() {
+        let (id, without) = pod_for("");
+        let names: Vec<String> = env(&without).into_iter().map(|(name, _)| name).collect();
+        assert!(
+            !names
+                .iter()
+                .any(|name| name.to_ascii_uppercase().contains("PROXY")),
+            "{names:?}"
+        );
+        let profile =
+            WorkerProfile::from_toml("p", "1", "image = \"w:1\"\nagent = [\"/agent\"]\n").expect("a profile");
+        let hash = BrokerKey::new(vec![7; 32]).token(id.as_str(), 3).hash();
+        let url = "http://user:token@10.96.0.50:3128";
+        let with = worker_pod(
+            &profile,
+            &WorkerSpec {
+                id: &id,
+                installation: "i",
+                generation: 3,
+                incarnation: 1,
+                token_hash: &hash,
+                anchor_uid: "uid",
+                claim: Some("claim"),
+                prepare: true,
+                proxy: Some(url),
+            },
+        );
+        let env = env(&with);
+        for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
+            assert!(
+                env.contains(&(name.to_owned(), url.to_owned())),
+                "{name}: {env:?}"
+            );
+        }
+        for name in ["NO_PROXY", "no_proxy"] {
+            assert!(
+                env.contains(&(name.to_owned(), NO_PROXY.to_owned())),
+                "{name}: {env:?}"
+            );
+        }
     }
 
     fn sub_paths(pod: &Pod) -> Vec<String> {
@@ -428,6 +495,7 @@ mod tests {
                 anchor_uid: "uid",
                 claim: Some("claim"),
                 prepare: false,
+                proxy: None,
             },
         );
         let init = |pod: &Pod| pod.spec.as_ref().and_then(|spec| spec.init_containers.clone());

@@ -17,6 +17,8 @@
 //! home_path = "/home/agent"                   # default "/home/agent"
 //! runtime_class = "gvisor"                    # default: the cluster's default runtime
 //! egress = ["10.0.0.0/8", "fd00::/8"]         # default: none
+//! egress_gateway = "openab-egress-gateway:3128" # the egress gateway's Service as workers reach it
+//! egress_hosts = ["github.com:443"]           # through the gateway; default: none
 //! seed_hosts = ["github.com"]                 # where clone seeds may come from; default: none
 //! idle_ttl = "30m"                            # default: the broker's idle_ttl
 //! max_lifetime = "8h"                         # default: no limit
@@ -68,7 +70,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde::Deserialize;
-use session_runtime::config::{self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration};
+use session_runtime::config::{
+    self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration, EgressTarget,
+};
 use session_runtime::{Error, Retention, RetentionPolicy};
 
 pub use crate::clone_source::SeedHost;
@@ -124,6 +128,15 @@ pub struct WorkerProfile {
     /// CIDRs workers may open connections to, besides what the NetworkPolicy always allows.
     /// Default empty: no egress.
     pub egress: Vec<String>,
+    /// The egress gateway (`oab-egress-gateway`) as workers reach it, `host:port` (its Service's
+    /// name, or its cluster IP where Pods have no DNS). Required with
+    /// [`egress_hosts`](Self::egress_hosts); default `None`: workers get no proxy.
+    pub egress_gateway: Option<EgressTarget>,
+    /// The destinations (`host:port`, with the kind of address a name may resolve to, as
+    /// [`EgressTarget::parse`] reads them) workers may reach by name through the egress
+    /// gateway, which holds the same list (it reads this key of the same profile). Default
+    /// empty: nothing through the gateway.
+    pub egress_hosts: Vec<EgressTarget>,
     /// The origins a [`WorkspaceSeed::GitClone`](session_runtime::WorkspaceSeed::GitClone) may
     /// clone from (see [`SeedHost::parse`]). Default empty: clone seeds are refused. A URL is
     /// checked against it at create; local paths, `file://` and transport helpers never pass.
@@ -256,6 +269,7 @@ impl WorkerProfile {
             check_cidr(cidr)
                 .map_err(|reason| self.invalid("egress", format!("entry {}: {reason}", index + 1)))?;
         }
+        self.check_egress_hosts()?;
         self.check_durations()
     }
 
@@ -365,6 +379,30 @@ impl WorkerProfile {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The gateway's destinations: each once, and a gateway to reach them through.
+    fn check_egress_hosts(&self) -> Result<(), Error> {
+        for (index, host) in self.egress_hosts.iter().enumerate() {
+            if let Some(earlier) = self.egress_hosts[..index].iter().position(|e| e == host) {
+                return Err(self.invalid(
+                    "egress_hosts",
+                    format!(
+                        "entry {}: {host} is already listed by entry {}; list each destination once",
+                        index + 1,
+                        earlier + 1
+                    ),
+                ));
+            }
+        }
+        if !self.egress_hosts.is_empty() && self.egress_gateway.is_none() {
+            return Err(self.invalid(
+                "egress_gateway",
+                "is required with egress_hosts: the egress gateway's Service as workers reach it, \
+                 e.g. egress_gateway = \"openab-egress-gateway:3128\"",
+            ));
         }
         Ok(())
     }
@@ -921,6 +959,8 @@ struct Document {
     env: Vec<SecretEnv>,
     runtime_class: Option<String>,
     egress: Vec<String>,
+    egress_gateway: Option<EgressTarget>,
+    egress_hosts: Vec<EgressTarget>,
     seed_hosts: Vec<SeedHost>,
     #[serde(with = "serde_duration::option")]
     idle_ttl: Option<Duration>,
@@ -950,6 +990,8 @@ impl Default for Document {
             env: Vec::new(),
             runtime_class: None,
             egress: Vec::new(),
+            egress_gateway: None,
+            egress_hosts: Vec::new(),
             seed_hosts: Vec::new(),
             idle_ttl: None,
             max_lifetime: None,
@@ -980,6 +1022,8 @@ impl Document {
             env: self.env,
             runtime_class: self.runtime_class,
             egress: self.egress,
+            egress_gateway: self.egress_gateway,
+            egress_hosts: self.egress_hosts,
             seed_hosts: self.seed_hosts,
             idle_ttl: self.idle_ttl,
             max_lifetime: self.max_lifetime,
@@ -1195,6 +1239,8 @@ mod tests {
             home_path = "/home/someone"
             runtime_class = "gvisor"
             egress = ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8", "0.0.0.0/0"]
+            egress_gateway = "openab-egress-gateway:3128"
+            egress_hosts = ["github.com:443"]
             seed_hosts = ["github.com", "git://10.0.0.7:9419"]
             skills_read_only = "if-possible"
             idle_ttl = "45m"
@@ -1290,6 +1336,8 @@ mod tests {
                 "fd00::/8".into(),
                 "0.0.0.0/0".into(),
             ],
+            egress_gateway: Some(EgressTarget::parse("openab-egress-gateway:3128").expect("valid")),
+            egress_hosts: vec![EgressTarget::parse("github.com:443").expect("valid")],
             seed_hosts: vec![
                 SeedHost::parse("github.com").expect("valid"),
                 SeedHost::parse("git://10.0.0.7:9419").expect("valid"),
@@ -1608,6 +1656,50 @@ mod tests {
                 bad,
             );
         }
+    }
+
+    #[test]
+    fn egress_hosts_go_through_a_gateway_each_once() {
+        let profile = WorkerProfile::from_toml(
+            "isolated-worker",
+            "1",
+            "image = \"w\"\nagent = [\"/a\"]\negress_gateway = \"10.96.0.50:3128\"\n\
+             egress_hosts = [\"github.com:443\", \"gateway.internal:8080 private\"]\n",
+        )
+        .expect("a profile");
+        assert_eq!(
+            profile.egress_gateway.map(|g| g.to_string()).as_deref(),
+            Some("10.96.0.50:3128")
+        );
+        let hosts: Vec<String> = profile.egress_hosts.iter().map(ToString::to_string).collect();
+        assert_eq!(hosts, ["github.com:443", "gateway.internal:8080 private"]);
+        assert_refused(
+            "egress_hosts = [\"github.com:443\"]\n",
+            "profile/isolated-worker.egress_gateway",
+            "required with egress_hosts",
+        );
+        assert_refused(
+            "egress_gateway = \"gw:3128\"\negress_hosts = [\"github.com:443\", \"github.com:443\"]\n",
+            "profile/isolated-worker.egress_hosts",
+            "entry 2:",
+        );
+        for bad in [
+            "github.com",
+            "github.com:0",
+            "https://github.com",
+            "github.com:443 everywhere",
+        ] {
+            assert_refused(
+                &format!("egress_gateway = \"gw:3128\"\negress_hosts = [\"{bad}\"]\n"),
+                "profile/isolated-worker.egress_hosts",
+                "",
+            );
+        }
+        assert_refused(
+            "egress_gateway = \"gw\"\n",
+            "profile/isolated-worker.egress_gateway",
+            "",
+        );
     }
 
     #[test]

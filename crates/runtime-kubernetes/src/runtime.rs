@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use egress_proxy::gateway::GatewayKey;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
@@ -69,6 +70,8 @@ pub struct KubernetesRuntime {
     /// take over a worker another broker started.
     shared_key: bool,
     epoch: u64,
+    /// The egress gateway's key, for workers whose profile names a gateway.
+    egress_gateway_key: Option<GatewayKey>,
     /// Serializes the operations of one session within this broker process; across brokers the
     /// anchor's compare-and-swap does.
     locks: Mutex<HashMap<SessionId, Arc<tokio::sync::Mutex<()>>>>,
@@ -127,6 +130,7 @@ pub struct KubernetesRuntimeBuilder {
     housekeeping: Housekeeping,
     key: Option<BrokerKey>,
     epoch: Option<u64>,
+    egress_gateway_key: Option<GatewayKey>,
 }
 
 /// What `reconcile` does with time: when a worker counts as idle, when a closed record goes,
@@ -235,6 +239,14 @@ impl KubernetesRuntimeBuilder {
         self
     }
 
+    /// The egress gateway's key, from which each session's proxy credential is derived (see
+    /// `oab-egress-gateway`); needed when the profile names an `egress_gateway`. Default: none,
+    /// and an attach under such a profile fails naming the missing key.
+    pub fn egress_gateway_key(mut self, key: GatewayKey) -> Self {
+        self.egress_gateway_key = Some(key);
+        self
+    }
+
     /// The broker epoch the relay checks (a newer epoch takes a relay over from an older one);
     /// default: milliseconds since the Unix epoch at build time, so a restarted broker is newer.
     /// A relay refuses an epoch more than a minute ahead of its clock
@@ -279,11 +291,35 @@ impl KubernetesRuntimeBuilder {
             key,
             shared_key,
             epoch,
+            egress_gateway_key: self.egress_gateway_key,
             locks: Mutex::new(HashMap::new()),
             live: Mutex::new(HashMap::new()),
             egress_applied: Mutex::new(std::collections::HashSet::new()),
             workers: std::sync::OnceLock::new(),
         })
+    }
+}
+
+/// The shortest egress gateway key accepted, in bytes (the gateway refuses shorter ones too).
+const MIN_GATEWAY_KEY: usize = 32;
+
+/// Reads the egress gateway's key from `path` (the `egress_gateway_key_file` key).
+fn read_gateway_key(path: &std::path::Path) -> Result<GatewayKey> {
+    let key = "session_runtime.kubernetes.egress_gateway_key_file";
+    match std::fs::read(path) {
+        Ok(bytes) if bytes.len() >= MIN_GATEWAY_KEY => Ok(GatewayKey::new(bytes)),
+        Ok(bytes) => Err(Error::InvalidConfig {
+            key: key.into(),
+            reason: format!(
+                "{} holds {} bytes; the key must be at least {MIN_GATEWAY_KEY}",
+                path.display(),
+                bytes.len()
+            ),
+        }),
+        Err(error) => Err(Error::InvalidConfig {
+            key: key.into(),
+            reason: format!("cannot read {}: {error}", path.display()),
+        }),
     }
 }
 
@@ -385,6 +421,11 @@ impl KubernetesRuntime {
                 "the Kubernetes runtime needs a [session_runtime.kubernetes] table with namespace and profile"
                     .into(),
         })?;
+        let egress_gateway_key = kubernetes
+            .egress_gateway_key_file
+            .as_deref()
+            .map(read_gateway_key)
+            .transpose()?;
         let mut builder = KubernetesRuntimeBuilder {
             client: None,
             config: kubernetes,
@@ -393,6 +434,7 @@ impl KubernetesRuntime {
             housekeeping: Housekeeping::default(),
             key: None,
             epoch: None,
+            egress_gateway_key,
         };
         builder.housekeeping.idle_ttl = config.effective_idle_ttl();
         Ok(builder)
@@ -409,7 +451,37 @@ impl KubernetesRuntime {
             housekeeping: Housekeeping::default(),
             key: None,
             epoch: None,
+            egress_gateway_key: None,
         }
+    }
+
+    /// The proxy URL of session `id`'s worker under `profile`, with the session's own
+    /// credential, when the profile names an egress gateway.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming `egress_gateway_key_file` when the profile names a gateway
+    /// and this runtime has no key for it.
+    fn proxy_url(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<String>> {
+        let Some(gateway) = &profile.egress_gateway else {
+            return Ok(None);
+        };
+        let key = self
+            .egress_gateway_key
+            .as_ref()
+            .ok_or_else(|| Error::InvalidConfig {
+                key: "session_runtime.kubernetes.egress_gateway_key_file".into(),
+                reason: format!(
+                    "profile {} names an egress gateway ({}); the broker needs the gateway's key to give \
+                 each worker its proxy credential",
+                    profile.name(),
+                    gateway.authority()
+                ),
+            })?;
+        Ok(Some(
+            key.credential(*id, profile.name())
+                .proxy_url(&gateway.authority()),
+        ))
     }
 
     pub(crate) fn lock(&self, id: &SessionId) -> Arc<tokio::sync::Mutex<()>> {
@@ -758,6 +830,7 @@ impl KubernetesRuntime {
             self.ensure_service_account(id, record.incarnation, &anchor_uid)
                 .await?;
         }
+        let proxy = self.proxy_url(id, profile)?;
         let pod = worker_pod(
             profile,
             &WorkerSpec {
@@ -769,6 +842,7 @@ impl KubernetesRuntime {
                 anchor_uid: &anchor_uid,
                 claim: record.volume.claim(),
                 prepare: !(record.prepared && record.volume.claim().is_some()),
+                proxy: proxy.as_deref(),
             },
         );
         self.apply_egress(profile).await?;

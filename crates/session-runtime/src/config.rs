@@ -944,6 +944,11 @@ pub struct KubernetesConfig {
     /// ([`KubernetesConfig::DEFAULT_START_TIMEOUT`]).
     #[serde(default = "KubernetesConfig::default_start_timeout", with = "serde_duration")]
     pub start_timeout: Duration,
+    /// The file holding the egress gateway's key (at least 32 bytes; the same file the gateway
+    /// reads), from which each session's proxy credential is derived. Needed when the profile
+    /// names an `egress_gateway`; default `None`.
+    #[serde(default)]
+    pub egress_gateway_key_file: Option<PathBuf>,
 }
 
 impl KubernetesConfig {
@@ -960,6 +965,7 @@ impl KubernetesConfig {
             profile: profile.into(),
             reach: Reach::default(),
             start_timeout: Self::DEFAULT_START_TIMEOUT,
+            egress_gateway_key_file: None,
         }
     }
 

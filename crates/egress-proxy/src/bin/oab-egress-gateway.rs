@@ -6,7 +6,7 @@
 //! the API server), so what a worker can reach through the network is this proxy only.
 //!
 //! ```text
-//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles.toml [--listen 0.0.0.0:3128]
+//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles [--listen 0.0.0.0:3128]
 //! ```
 //!
 //! It serves until SIGTERM or SIGINT. Exit codes: 0 after a signal, 2 for bad arguments or
@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use egress_proxy::gateway::{parse_profiles, Gateway, GatewayKey};
+use egress_proxy::gateway::{load_profiles, Gateway, GatewayKey};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
@@ -37,7 +37,7 @@ struct Args {
     /// The file holding the key that proxy credentials are derived with (at least 32 bytes).
     #[arg(long)]
     key_file: PathBuf,
-    /// The TOML file of profiles: `[profiles.NAME] egress_hosts = ["HOST:PORT", ...]`.
+    /// The directory of worker profiles, `NAME.toml` each (their `egress_hosts` are read).
     #[arg(long)]
     profiles: PathBuf,
 }
@@ -66,10 +66,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let profiles = match std::fs::read_to_string(&args.profiles)
-        .map_err(|e| e.to_string())
-        .and_then(|text| parse_profiles(&text).map_err(|e| e.to_string()))
-    {
+    let profiles = match load_profiles(&args.profiles) {
         Ok(profiles) => profiles,
         Err(error) => {
             eprintln!("oab-egress-gateway: {}: {error}", args.profiles.display());

@@ -183,6 +183,15 @@ impl EgressTarget {
         self.port
     }
 
+    /// `host:port`, an IPv6 host in brackets: the destination as a client names it, without
+    /// the kind of address an entry allows.
+    pub fn authority(&self) -> String {
+        match &self.host {
+            EgressHost::Ip(IpAddr::V6(ip)) => format!("[{ip}]:{}", self.port),
+            _ => format!("{}:{}", self.host(), self.port),
+        }
+    }
+
     /// The IP address, when the host is one rather than a name.
     pub fn ip(&self) -> Option<IpAddr> {
         match self.host {
