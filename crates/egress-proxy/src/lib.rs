@@ -12,6 +12,10 @@
 //! request is served per connection. A name is resolved once, and only the addresses of the
 //! kind its entry allows ([`session_runtime::config::EgressTarget::reach`]) are connected to,
 //! so a listed name cannot be pointed at a private, loopback, link-local or metadata address.
+//!
+//! Who a request comes from is an [`Admission`]'s to say: [`OneSession`] for a socket that only
+//! one session reaches (the local runtime's), [`gateway::Gateway`] for the Kubernetes workers'
+//! shared gateway, which reads each request's proxy credential.
 
 use http::StatusCode;
 
