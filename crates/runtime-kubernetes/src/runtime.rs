@@ -1860,4 +1860,66 @@ mod tests {
         );
         assert_eq!(runtime.reach, Reach::Exec);
     }
+
+    fn with_key_file(key_file: &std::path::Path) -> Result<KubernetesRuntime> {
+        let config = SessionRuntimeConfig::from_toml_document(&format!(
+            "[session_runtime]\ntype = \"kubernetes\"\n[session_runtime.kubernetes]\n\
+             namespace = \"sessions\"\nprofile = \"worker\"\negress_gateway_key_file = {:?}\n",
+            key_file.display().to_string()
+        ))
+        .expect("a valid section");
+        KubernetesRuntime::builder_from_config(&config)?.build()
+    }
+
+    #[test]
+    fn a_worker_gets_its_own_proxy_credential_only_when_the_broker_holds_the_gateways_key() {
+        let key_name = "session_runtime.kubernetes.egress_gateway_key_file";
+        let dir = tempfile::tempdir().expect("dir");
+        let short = dir.path().join("short");
+        std::fs::write(&short, [1u8; 16]).expect("write");
+        for missing_or_short in [dir.path().join("absent"), short.clone()] {
+            let refused = with_key_file(&missing_or_short).map(drop).unwrap_err();
+            assert!(
+                matches!(&refused, Error::InvalidConfig { key, .. } if key == key_name),
+                "{refused}"
+            );
+        }
+        let key_file = dir.path().join("key");
+        std::fs::write(&key_file, [2u8; 32]).expect("write");
+        let runtime = with_key_file(&key_file).expect("a runtime");
+        let profile = WorkerProfile::from_toml(
+            "worker",
+            "1",
+            "image = \"w\"\nagent = [\"/a\"]\negress_gateway = \"10.96.0.50:3128\"\negress_hosts = [\"github.com:443\"]\n",
+        )
+        .expect("a profile");
+        let id = SessionIdentity::new("i", "a", "p", "t").expect("identity").id();
+        let url = runtime.proxy_url(&id, &profile).expect("a URL").expect("a proxy");
+        let expected = GatewayKey::new([2u8; 32])
+            .credential(id, "worker")
+            .proxy_url("10.96.0.50:3128");
+        assert_eq!(url, expected);
+        assert!(url.starts_with(&format!("http://{id}.worker:")), "{url}");
+        let other = SessionIdentity::new("i", "a", "p", "u").expect("identity").id();
+        assert_ne!(runtime.proxy_url(&other, &profile).expect("a URL"), Some(url));
+
+        let plain =
+            WorkerProfile::from_toml("worker", "1", "image = \"w\"\nagent = [\"/a\"]\n").expect("a profile");
+        assert_eq!(runtime.proxy_url(&id, &plain).expect("no gateway"), None);
+        let without_key = KubernetesRuntime::builder_from_config(
+            &SessionRuntimeConfig::from_toml_document(
+                "[session_runtime]\ntype = \"kubernetes\"\n[session_runtime.kubernetes]\n\
+                 namespace = \"sessions\"\nprofile = \"worker\"\n",
+            )
+            .expect("a valid section"),
+        )
+        .expect("a builder")
+        .build()
+        .expect("a runtime");
+        let refused = without_key.proxy_url(&id, &profile).unwrap_err();
+        assert!(
+            matches!(&refused, Error::InvalidConfig { key, .. } if key == key_name),
+            "{refused}"
+        );
+    }
 }
