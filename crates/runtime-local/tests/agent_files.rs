@@ -433,11 +433,22 @@ async fn a_virtual_environment_on_an_interpreter_outside_usr_runs_as_configured_
     chmod(&interpreter, 0o755);
     let environments = install_dir("venv-");
     let venv = environments.path().join("venv");
-    let made = std::process::Command::new(&interpreter)
-        .args(["-m", "venv", "--without-pip"])
-        .arg(&venv)
-        .output()
-        .expect("python -m venv");
+    // Another test's fork may hold the copy's write descriptor until that child execs
+    // (ETXTBSY): try again shortly, a bounded number of times.
+    let mut attempts = 0;
+    let made = loop {
+        match std::process::Command::new(&interpreter)
+            .args(["-m", "venv", "--without-pip"])
+            .arg(&venv)
+            .output()
+        {
+            Err(error) if error.kind() == std::io::ErrorKind::ExecutableFileBusy && attempts < 100 => {
+                attempts += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            made => break made.expect("python -m venv"),
+        }
+    };
     assert!(made.status.success(), "python -m venv: {made:?}");
     assert!(
         fs::symlink_metadata(venv.join("bin/python"))
