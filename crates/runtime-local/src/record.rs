@@ -32,8 +32,8 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use session_runtime::{
-    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionState, SessionStatus, StartFailure,
-    StorageState, SuspendReason, WorkerInfo,
+    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionOverlay, SessionState, SessionStatus,
+    StartFailure, StorageState, SuspendReason, WorkerInfo,
 };
 
 use crate::process::ProcessRef;
@@ -113,6 +113,10 @@ pub(crate) struct SessionRecord {
     /// records written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) last_start_failure: Option<StartFailure>,
+    /// The broker's working directory and environment for the session's workers (its `Debug`
+    /// shows no values); absent from records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) overlay: Option<SessionOverlay>,
 }
 
 impl SessionRecord {
@@ -140,6 +144,7 @@ impl SessionRecord {
             uid: None,
             worker: None,
             last_start_failure: None,
+            overlay: None,
         }
     }
 
@@ -323,7 +328,14 @@ fn load_file(
 /// the host) overwritten. Usually nothing is there, as each use renames its file away; what an
 /// interrupted one left is removed first.
 pub(crate) fn create_fresh(path: &Path) -> io::Result<File> {
-    let create = || OpenOptions::new().write(true).create_new(true).open(path);
+    // Owner-only: a record can hold the session overlay's environment values.
+    let create = || {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+    };
     match create() {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             match fs::remove_file(path) {

@@ -38,6 +38,7 @@
 //!
 //! Linux, macOS and Windows: no part of this crate is Linux-only.
 
+mod overlay_dir;
 mod process;
 mod runtime;
 mod spawn;

@@ -49,6 +49,7 @@ mod attachment;
 pub mod config;
 mod error;
 mod identity;
+pub mod overlay;
 mod retention;
 mod runtime;
 mod state;
@@ -64,6 +65,7 @@ pub use attachment::{
 };
 pub use error::{BoxError, Error, Result, WorkerExit, WorkerFailure};
 pub use identity::{SessionId, SessionIdentity};
+pub use overlay::SessionOverlay;
 pub use retention::*;
 pub use runtime::{DynSessionRuntime, SessionRuntime};
 pub use state::{

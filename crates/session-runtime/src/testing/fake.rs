@@ -14,8 +14,8 @@ use crate::conformance::FaultInjector;
 use crate::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, ExitCell, Fence,
     FenceTrigger, Generation, IsolationLevel, ReconcileReport, Result, RetentionPolicy, SessionHandle,
-    SessionId, SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState, SuspendReason,
-    WorkerControl, WorkerExit, WorkerInfo,
+    SessionId, SessionIdentity, SessionOverlay, SessionRuntime, SessionState, SessionStatus, StorageState,
+    SuspendReason, WorkerControl, WorkerExit, WorkerInfo,
 };
 
 const RUNTIME: &str = "fake";
@@ -286,6 +286,8 @@ impl SessionRuntime for FakeRuntime {
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.installation)?;
+        // The in-process agent shares the test's working directory and environment.
+        SessionOverlay::refuse(options.overlay.as_ref(), RUNTIME)?;
         if options.workspace_seed.is_some() {
             return Err(Error::Unsupported {
                 operation: "workspace seeds",
