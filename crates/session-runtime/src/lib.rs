@@ -16,7 +16,8 @@
 //! ```
 //!
 //! This crate holds the contract only: [`SessionIdentity`] and [`SessionId`], the
-//! [`SessionRuntime`] trait, [`Attachment`], the [`Error`] kinds, lifecycle data
+//! [`SessionRuntime`] trait, [`Attachment`], the [`Error`] kinds, a session's own working
+//! directory and environment ([`SessionOverlay`]), lifecycle data
 //! ([`SessionState`], [`SessionStatus`], [`Capabilities`], ...) and the `[session_runtime]`
 //! [`config`]. It depends on no backend.
 //!

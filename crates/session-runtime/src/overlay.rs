@@ -41,7 +41,7 @@ pub const MAX_WORKING_DIR_LEN: usize = 4096;
 ///   Values are never logged: `Debug` shows names only.
 ///
 /// A backend that cannot apply a field refuses the create with
-/// [`Error::Unsupported`](crate::Error::Unsupported) naming it.
+/// [`Error::Unsupported`] naming it.
 ///
 /// ```
 /// use session_runtime::SessionOverlay;
