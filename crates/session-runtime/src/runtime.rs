@@ -74,7 +74,8 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///
     /// # Cancellation
     /// Dropping the future may leave a partly provisioned session; the next `create` for the same
-    /// identity completes it.
+    /// identity completes it. Replacing an existing session's overlay is one atomic record write:
+    /// dropped, it either happened or did not, and repeating the call settles it.
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle>;
 
     /// Returns the stream to the session's worker, starting one if none runs for the current
