@@ -1626,6 +1626,24 @@ mod tests {
     }
 
     #[test]
+    fn overlay_working_dirs_are_absolute_and_for_shared_storage_only() {
+        let config = SessionRuntimeConfig::from_toml_section("[local]\nworking_dirs = [\"/home/agent\"]")
+            .expect("an absolute directory with shared storage");
+        assert_eq!(config.local.working_dirs, [PathBuf::from("/home/agent")]);
+        for text in [
+            "[local]\nworking_dirs = [\"home/agent\"]",
+            "[local]\nstorage = \"per-session\"\nworking_dirs = [\"/home/agent\"]",
+        ] {
+            match SessionRuntimeConfig::from_toml_section(text) {
+                Err(Error::InvalidConfig { key, .. }) => {
+                    assert_eq!(key, "session_runtime.local.working_dirs", "{text}")
+                }
+                other => panic!("{text}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn agentcore_keys_are_checked_and_named() {
         let arn = "arn:aws:bedrock-agentcore:us-east-1:123456789012:runtime/example";
         let parse = |extra: &str| {
