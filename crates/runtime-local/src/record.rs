@@ -41,8 +41,11 @@ use crate::RUNTIME;
 
 /// The record format version this code writes and reads.
 const VERSION: u32 = 1;
-/// Records larger than this are not read (a record is a few hundred bytes).
-const MAX_RECORD_BYTES: u64 = 64 * 1024;
+/// Records larger than this are not read (a record is a few hundred bytes, plus its session
+/// overlay: at most `MAX_OVERLAY_BYTES`, which JSON's escapes can make six times larger).
+const MAX_RECORD_BYTES: u64 = 256 * 1024;
+const _: () =
+    assert!(MAX_RECORD_BYTES as usize >= 6 * session_runtime::overlay::MAX_OVERLAY_BYTES + 64 * 1024);
 
 /// Where a session is, including the provisioning step before it is usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

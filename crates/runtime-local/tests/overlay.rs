@@ -76,3 +76,29 @@ async fn the_record_keeping_the_overlay_is_the_brokers_alone() {
         .await
         .expect("close");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_overlay_still_fits_its_record() {
+    let root = tempfile::tempdir().expect("temporary root");
+    let runtime = common::builder(root.path(), "overlay", SandboxMode::None)
+        .build()
+        .expect("local runtime");
+    let identity = identity("largest");
+    // Control characters: JSON writes each as six bytes.
+    let half = session_runtime::overlay::MAX_OVERLAY_BYTES / 2 - 2;
+    let overlay = SessionOverlay::new()
+        .env("V0", "\u{1}".repeat(half))
+        .env("V1", "\u{1}".repeat(half));
+    overlay.validate().expect("an overlay at the bound is valid");
+    let options = CreateOptions::new().with_overlay(overlay);
+    runtime.create(&identity, &options).await.expect("create");
+    let attachment = runtime
+        .attach(&identity.id())
+        .await
+        .expect("the record is read back");
+    drop(attachment);
+    runtime
+        .close(&identity.id(), CloseReason::Ended)
+        .await
+        .expect("close");
+}

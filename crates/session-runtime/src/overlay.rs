@@ -19,7 +19,10 @@ pub const MAX_ENV_VARS: usize = 64;
 /// The longest environment variable name, in bytes.
 pub const MAX_ENV_NAME_LEN: usize = 128;
 /// The longest environment variable value, in bytes.
-pub const MAX_ENV_VALUE_LEN: usize = 32 * 1024;
+pub const MAX_ENV_VALUE_LEN: usize = 8 * 1024;
+/// The most bytes of names, values and working directory together: an overlay is kept with the
+/// session's record, which stays small.
+pub const MAX_OVERLAY_BYTES: usize = 16 * 1024;
 /// The longest working directory, in bytes.
 pub const MAX_WORKING_DIR_LEN: usize = 4096;
 
@@ -134,6 +137,18 @@ impl SessionOverlay {
             if value.contains('\0') {
                 return Err(invalid(ENV_FIELD, format!("the value of {name} contains NUL")));
             }
+        }
+        let total = self
+            .env
+            .iter()
+            .map(|(name, value)| name.len() + value.len())
+            .sum::<usize>()
+            + self.working_dir.as_ref().map_or(0, |dir| dir.as_os_str().len());
+        if total > MAX_OVERLAY_BYTES {
+            return Err(invalid(
+                ENV_FIELD,
+                format!("{total} bytes of names, values and working directory, more than the most allowed, {MAX_OVERLAY_BYTES}"),
+            ));
         }
         if let Some(dir) = &self.working_dir {
             let text = dir.as_os_str().as_encoded_bytes();
@@ -301,6 +316,11 @@ mod tests {
         assert_eq!(field_of(big.validate()), ENV_FIELD);
         let many = (0..=MAX_ENV_VARS).fold(SessionOverlay::new(), |o, i| o.env(format!("V{i}"), "v"));
         assert_eq!(field_of(many.validate()), ENV_FIELD);
+        let value = "x".repeat(MAX_ENV_VALUE_LEN);
+        let heavy = (0..MAX_OVERLAY_BYTES / MAX_ENV_VALUE_LEN).fold(SessionOverlay::new(), |o, i| {
+            o.env(format!("V{i}"), value.as_str())
+        });
+        assert_eq!(field_of(heavy.validate()), ENV_FIELD, "the total is bounded too");
         assert_eq!(
             field_of(SessionOverlay::new().working_dir("").validate()),
             WORKING_DIR_FIELD
