@@ -89,7 +89,9 @@ impl FakeRuntimeBuilder {
 /// Storage is a real directory per session (so exec probes can show that it survives suspend),
 /// records live in memory, workers are Tokio tasks connected by in-memory pipes. It isolates
 /// nothing and survives nothing. It is the reference the conformance suite is checked against,
-/// and a stand-in for broker tests.
+/// and a stand-in for broker tests. It refuses a [`SessionOverlay`] with
+/// [`Error::Unsupported`] naming the field: its in-process agents share the test's working
+/// directory and environment.
 #[derive(Debug)]
 pub struct FakeRuntime {
     installation: String,
