@@ -114,6 +114,9 @@ struct Mode {
     expected_cwd: Box<dyn Fn(&str) -> bool + Send + Sync>,
     default_cwd: Box<dyn Fn(&str) -> bool + Send + Sync>,
     survives_restart: bool,
+    /// With storage of the session's own: the runtime's root, where a file the agent writes in
+    /// its working directory must land (`<root>/<session id>/workspace/projects/api`).
+    session_root: Option<PathBuf>,
 }
 
 async fn a_thread_keeps_its_working_directory_and_gets_each_minted_token(mode: Mode, agent_dir: &Path) {
@@ -142,6 +145,20 @@ async fn a_thread_keeps_its_working_directory_and_gets_each_minted_token(mode: M
         configured["stdout"], "from [agent].env",
         "the configured env still applies"
     );
+    if let Some(root) = &mode.session_root {
+        first
+            .request("_openab/exec", json!({"command": "echo written-inside > here"}))
+            .await;
+        let id = sessions.session_id(THREAD).expect("the thread's session id");
+        let host = root.join(id.as_str()).join("workspace/projects/api/here");
+        let written = std::fs::read_to_string(&host).unwrap_or_default();
+        assert_eq!(
+            written.trim(),
+            "written-inside",
+            "the directory is the session's own: {}",
+            host.display()
+        );
+    }
     let cwd = first.cwd.clone();
     drop(first);
 
@@ -214,6 +231,7 @@ async fn shared_mode() {
         expected_cwd: Box::new(move |cwd| cwd == expected),
         default_cwd: Box::new(move |cwd| cwd == default),
         survives_restart: false,
+        session_root: None,
     };
     a_thread_keeps_its_working_directory_and_gets_each_minted_token(mode, agent_dir.path()).await;
 }
@@ -233,6 +251,7 @@ fn per_session(root: &Path, sandbox: &str, workspace: &'static str) -> Mode {
             cwd.ends_with("/workspace") && (workspace.is_empty() || cwd == workspace)
         }),
         survives_restart: true,
+        session_root: Some(root.to_owned()),
     }
 }
 
