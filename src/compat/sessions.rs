@@ -94,6 +94,9 @@ impl ThreadSessions {
 
     /// Replaces `AcpConnection::spawn`: creates the thread's session if needed (its storage
     /// exists before any agent process) and attaches, starting a worker of a new generation.
+    /// An overlay in `options` ([`thread_overlay`](super::thread_overlay): the thread's working
+    /// directory and session token) replaces the session's for the worker this call starts, also
+    /// when the session exists already.
     ///
     /// # Errors
     /// As [`SessionRuntime::create`] and [`SessionRuntime::attach`].

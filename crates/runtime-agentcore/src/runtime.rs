@@ -12,8 +12,8 @@ use session_runtime::config::{AgentCoreConfig, SessionRuntimeConfig};
 use session_runtime::{
     Attachment, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger, Generation,
     IsolationLevel, ReconcileReport, Result, RetainedUntil, RetentionPolicy, SessionHandle, SessionId,
-    SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState, SuspendReason, WorkerControl,
-    WorkerInfo,
+    SessionIdentity, SessionOverlay, SessionRuntime, SessionState, SessionStatus, StorageState,
+    SuspendReason, WorkerControl, WorkerInfo,
 };
 use tokio::sync::OnceCell;
 use worker_relay::agentcore::{self, RuntimeSessionId};
@@ -687,6 +687,8 @@ impl SessionRuntime for AgentCoreRuntime {
                 ),
             });
         }
+        // The relay's hello carries no working directory or environment (yet).
+        SessionOverlay::refuse(options.overlay.as_ref(), RUNTIME)?;
         if options.workspace_seed.is_some() {
             return Err(Error::Unsupported {
                 operation: "create with a workspace seed",

@@ -23,8 +23,8 @@ use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{
     Attachment, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger, Generation,
     IsolationLevel, ReconcileReport, Result, Retention, RetentionPolicy, SessionHandle, SessionId,
-    SessionIdentity, SessionRuntime, SessionState, SessionStatus, SuspendReason, WorkerControl,
-    WorkspaceSeed,
+    SessionIdentity, SessionOverlay, SessionRuntime, SessionState, SessionStatus, SuspendReason,
+    WorkerControl, WorkspaceSeed,
 };
 use worker_relay::transport::{Connector, TcpConnector};
 use worker_relay::{BrokerKey, ClientConfig, RelayClient};
@@ -1624,6 +1624,9 @@ impl SessionRuntime for KubernetesRuntime {
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.installation)?;
+        // The relay's hello carries no working directory or environment, and a value in the Pod
+        // spec would be readable by anyone who can read Pods: refused before anything exists.
+        SessionOverlay::refuse(options.overlay.as_ref(), RUNTIME)?;
         let seed = match &options.workspace_seed {
             None => None,
             Some(WorkspaceSeed::GitClone { url, reference }) => {

@@ -91,6 +91,7 @@ mod seed;
 mod settings;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod workdir;
 mod worker;
 
 pub(crate) use errors::backend_error;

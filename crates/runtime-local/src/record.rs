@@ -32,8 +32,8 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use session_runtime::{
-    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionState, SessionStatus, StartFailure,
-    StorageState, SuspendReason, WorkerInfo,
+    CloseReason, Error, Generation, SessionId, SessionIdentity, SessionOverlay, SessionState, SessionStatus,
+    StartFailure, StorageState, SuspendReason, WorkerInfo,
 };
 
 use crate::process::ProcessRef;
@@ -41,8 +41,11 @@ use crate::RUNTIME;
 
 /// The record format version this code writes and reads.
 const VERSION: u32 = 1;
-/// Records larger than this are not read (a record is a few hundred bytes).
-const MAX_RECORD_BYTES: u64 = 64 * 1024;
+/// Records larger than this are not read (a record is a few hundred bytes, plus its session
+/// overlay: at most `MAX_OVERLAY_BYTES`, which JSON's escapes can make six times larger).
+const MAX_RECORD_BYTES: u64 = 256 * 1024;
+const _: () =
+    assert!(MAX_RECORD_BYTES as usize >= 6 * session_runtime::overlay::MAX_OVERLAY_BYTES + 64 * 1024);
 
 /// Where a session is, including the provisioning step before it is usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,6 +116,10 @@ pub(crate) struct SessionRecord {
     /// records written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) last_start_failure: Option<StartFailure>,
+    /// The broker's working directory and environment for the session's workers (its `Debug`
+    /// shows no values); absent from records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) overlay: Option<SessionOverlay>,
 }
 
 impl SessionRecord {
@@ -140,6 +147,7 @@ impl SessionRecord {
             uid: None,
             worker: None,
             last_start_failure: None,
+            overlay: None,
         }
     }
 
@@ -323,7 +331,14 @@ fn load_file(
 /// the host) overwritten. Usually nothing is there, as each use renames its file away; what an
 /// interrupted one left is removed first.
 pub(crate) fn create_fresh(path: &Path) -> io::Result<File> {
-    let create = || OpenOptions::new().write(true).create_new(true).open(path);
+    // Owner-only: a record can hold the session overlay's environment values.
+    let create = || {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+    };
     match create() {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             match fs::remove_file(path) {

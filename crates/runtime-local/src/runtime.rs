@@ -23,9 +23,11 @@ use crate::process::{self, ProcessRef};
 use crate::record::{self, DirEvidence, Phase, SessionRecord, WorkerRecord};
 use crate::sandbox::{needs, storage, CgroupEntry, LaunchSpec, LimitsHandle, Sandbox, SandboxKind};
 use crate::seed;
+use crate::workdir;
 use crate::worker::{self, Activity, LocalWorker, Watched};
 use crate::{LocalSettings, RUNTIME};
 use session_runtime::config::ResourceLimits;
+use session_runtime::{overlay, SessionOverlay};
 
 /// The environment variable every worker carries: `<scope>:<session id>:<generation>`, where the
 /// scope names the installation and the storage root (see `LocalSettings::scope`).
@@ -360,6 +362,15 @@ impl LocalRuntime {
                 self.sandbox.prepare_storage(&dirs, record.uid)?;
             }
         }
+        // The record is read from disk: its overlay is checked again, and its working directory
+        // made (or found) inside the workspace while no worker of the session runs.
+        let overlay = record.overlay.clone().unwrap_or_default();
+        overlay.validate()?;
+        let working_dir = overlay.relative_working_dir()?;
+        let host_working_dir = match &working_dir {
+            Some(relative) => workdir::ensure_within(&dirs.workspace, relative, record.uid)?,
+            None => dirs.workspace.clone(),
+        };
 
         // The generation is bumped durably, with the launch intent, before any process starts.
         record.generation += 1;
@@ -416,6 +427,7 @@ impl LocalRuntime {
             join_cgroups: procs.as_deref(),
             needs: &needs,
             pinned: &pinned,
+            working_dir: working_dir.as_deref(),
         };
         let started = match self.sandbox.command(&spec) {
             Ok(mut command) => {
@@ -425,8 +437,9 @@ impl LocalRuntime {
                     &paths.home,
                     &paths.tmp,
                     record.uid,
+                    &overlay,
                 ));
-                command.current_dir(&dirs.workspace);
+                command.current_dir(&host_working_dir);
                 worker::spawn(
                     command,
                     id,
@@ -482,7 +495,7 @@ impl LocalRuntime {
         tracing::debug!(session = %id, generation, worker = %spawned.worker.process.pid, "worker started");
         Ok(Attachment::new(AttachmentParts::new(
             fence,
-            paths.workspace,
+            overlay::within(&paths.workspace, working_dir.as_deref()),
             Watched {
                 inner: spawned.stdout,
                 activity: activity.clone(),
@@ -493,6 +506,32 @@ impl LocalRuntime {
             },
             spawned.worker,
         )))
+    }
+
+    /// `create` of an existing session: a different overlay replaces the recorded one, for the
+    /// next worker (a running one keeps its own). Takes the session's flock to write the record,
+    /// and lets it go again unless this process runs the session's worker.
+    fn replace_overlay(
+        &self,
+        held: &mut Held,
+        record: &SessionRecord,
+        overlay: Option<&SessionOverlay>,
+    ) -> Result<()> {
+        let Some(overlay) = overlay else { return Ok(()) };
+        let overlay = Some(overlay.clone()).filter(|overlay| !overlay.is_empty());
+        if record.overlay == overlay {
+            return Ok(());
+        }
+        let dirs = self.dirs(&record.id);
+        let had_lock = held.lock.is_some();
+        self.own(held, record.id, &dirs, Some(record))?;
+        let mut updated = record.clone();
+        updated.overlay = overlay;
+        let stored = self.store(&updated);
+        if !had_lock {
+            held.lock = None;
+        }
+        stored
     }
 
     /// Records that the worker of `record`'s new generation did not start.
@@ -547,7 +586,8 @@ impl LocalRuntime {
     }
 
     /// Upstream OpenAB's environment: cleared, then a baseline, then configured variables, then
-    /// inherited ones that were not set explicitly.
+    /// inherited ones that were not set explicitly, then the session overlay's; the egress
+    /// proxy's and the worker marker win over all of them.
     fn environment(
         &self,
         id: &SessionId,
@@ -555,6 +595,7 @@ impl LocalRuntime {
         home: &str,
         tmp: &str,
         uid: Option<u32>,
+        overlay: &SessionOverlay,
     ) -> Vec<(String, String)> {
         let agent = &self.settings.agent;
         let mut env: Vec<(String, String)> = vec![
@@ -584,6 +625,10 @@ impl LocalRuntime {
                 env.retain(|(k, _)| k != key);
                 env.push((key.clone(), value));
             }
+        }
+        for (key, value) in &overlay.env {
+            env.retain(|(k, _)| k != key);
+            env.push((key.clone(), value.clone()));
         }
         if let Some(egress) = &self.settings.egress {
             // The only way out of the session's network namespace; set last, so it is the one.
@@ -820,6 +865,7 @@ impl LocalRuntime {
         let evidence =
             DirEvidence::of(&dirs.base).map_err(|e| storage_error("inspecting session storage", e))?;
         let mut record = SessionRecord::new(identity, incarnation, generation, evidence);
+        record.overlay = options.overlay.clone().filter(|overlay| !overlay.is_empty());
         self.store(&record)?;
         for dir in dirs.agent_dirs() {
             // An interrupted or failed provisioning (a seed that failed halfway) leaves partial
@@ -1009,10 +1055,17 @@ impl SessionRuntime for LocalRuntime {
         Capabilities::minimal()
             .with_isolation(self.sandbox.isolation())
             .with_persistent_storage(true)
+            .with_overlay(true)
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.settings.installation)?;
+        if let Some(overlay) = &options.overlay {
+            // Checked before anything exists: the working directory is one inside the session's
+            // own workspace, never a host path.
+            overlay.validate()?;
+            overlay.relative_working_dir()?;
+        }
         let id = identity.id();
         let slot = self.slot(&id);
         let mut held = slot.held.lock().await;
@@ -1031,7 +1084,10 @@ impl SessionRuntime for LocalRuntime {
                 Phase::Session(SessionState::Closing | SessionState::Closed) => {
                     self.close_locked(id, &mut held, CloseReason::Ended).await?;
                 }
-                Phase::Session(state) => return Ok(SessionHandle::new(id, state, record.generation, false)),
+                Phase::Session(state) => {
+                    self.replace_overlay(&mut held, record, options.overlay.as_ref())?;
+                    return Ok(SessionHandle::new(id, state, record.generation, false));
+                }
             }
         }
         // Generations and incarnations only grow, across closes too.

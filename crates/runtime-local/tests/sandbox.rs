@@ -113,6 +113,7 @@ fn bubblewrap_argv_as_root_with_a_uid_and_no_network() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let identity = IdentityFiles::at(&dirs.base);
     let argv = bwrap_args(
@@ -218,6 +219,7 @@ fn bubblewrap_argv_without_a_uid_drops_every_capability() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let argv = bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect("argv");
     let base = format!("/srv/s/{id}");
@@ -285,6 +287,7 @@ fn bubblewrap_refuses_a_uid_it_cannot_switch_to() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let error =
         bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect_err("not root");
@@ -327,6 +330,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             needs: &[],
             pinned: &sandbox::needs::PinnedNeeds::default(),
             egress: None,
+            working_dir: None,
         };
         let argv =
             bwrap_args(&debian_layout(false), NetworkMode::Host, &[], &spec, None, None).expect("argv");
@@ -355,6 +359,7 @@ fn bubblewrap_binds_an_agent_that_lives_outside_the_system_directories() {
             needs: &[],
             pinned: &sandbox::needs::PinnedNeeds::default(),
             egress: None,
+            working_dir: None,
         };
         let argv = bwrap_args(
             &debian_layout(false),
@@ -389,6 +394,7 @@ fn landlock_rules_cover_system_paths_read_only_and_the_session_read_write() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let rules = landlock_rules_for(&debian_layout(true), &[skills()], &spec);
     for path in ["/usr", "/bin", "/etc", "/proc", "/opt/openab/skills"] {
@@ -786,6 +792,7 @@ async fn run(sandbox: &Sandbox, session: &Session, script: &str) -> Output {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let paths = sandbox.worker_paths(&session.dirs);
     let mut command = sandbox.command(&spec).expect("command");
@@ -998,6 +1005,7 @@ async fn bubblewrap_runs_an_agent_from_the_hosts_tmp() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command
@@ -1397,6 +1405,7 @@ async fn cgroup_limits_hold_a_whole_bubblewrap_sandbox() {
         needs: &[],
         pinned: &sandbox::needs::PinnedNeeds::default(),
         egress: None,
+        working_dir: None,
     };
     let mut command = sandbox.command(&spec).expect("command");
     command

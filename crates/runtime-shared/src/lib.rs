@@ -6,12 +6,15 @@
 //!
 //! - in the configured working directory ([`AgentCommand::working_dir`](session_runtime::AgentCommand),
 //!   upstream's `[agent].working_dir`; default the system's temporary directory), which is also
-//!   the `cwd` the attachment reports;
+//!   the `cwd` the attachment reports; or in the session overlay's working directory
+//!   ([`SessionOverlay`](session_runtime::SessionOverlay), upstream's `[[ws:...]]`), an existing
+//!   host directory at or beneath `local.working_dirs` (default: the configured working directory),
+//!   links resolved, checked at create and again at every attach;
 //! - with an environment cleared, then a baseline (`HOME` = the broker's, else the working
 //!   directory; `PATH` = the broker's, else `/usr/local/bin:/usr/bin:/bin`; on unix `USER` = the
 //!   broker's, else `agent`; on Windows `USERPROFILE`, `USERNAME`, and `SystemRoot` and
 //!   `SystemDrive` when set), then `[agent].env`, then each `inherit_env` name not set explicitly
-//!   that the broker has;
+//!   that the broker has, then the session overlay's variables;
 //! - in a process group of its own (unix `setpgid(0, 0)`; Windows `CREATE_NEW_PROCESS_GROUP`);
 //! - with its stderr `/dev/null`, as upstream v0.8.x (later upstream code logs it at WARN), unless
 //!   `local.agent_stderr` names a level to log each line at ([`AgentStderr`]);
@@ -38,6 +41,7 @@
 //!
 //! Linux, macOS and Windows: no part of this crate is Linux-only.
 
+mod overlay_dir;
 mod process;
 mod runtime;
 mod spawn;

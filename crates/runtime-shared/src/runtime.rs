@@ -13,11 +13,12 @@ use parking_lot::Mutex;
 use session_runtime::config::{AgentStderr, LocalConfig, SessionRuntimeConfig, StorageMode};
 use session_runtime::{
     AgentCommand, Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence,
-    FenceTrigger, ReconcileReport, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
-    SessionState, SessionStatus, SuspendReason, WorkerControl, WorkerFailure, WorkerInfo,
+    FenceTrigger, ReconcileReport, Result, SessionHandle, SessionId, SessionIdentity, SessionOverlay,
+    SessionRuntime, SessionState, SessionStatus, SuspendReason, WorkerControl, WorkerFailure, WorkerInfo,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, BufReader, ReadBuf};
 
+use crate::overlay_dir;
 use crate::process::AgentProcess;
 use crate::spawn;
 use crate::RUNTIME;
@@ -42,6 +43,7 @@ pub struct SharedRuntimeBuilder {
     idle_ttl: Option<Duration>,
     terminate_grace: Duration,
     stderr: AgentStderr,
+    working_dirs: Vec<PathBuf>,
 }
 
 impl SharedRuntimeBuilder {
@@ -56,7 +58,15 @@ impl SharedRuntimeBuilder {
             idle_ttl: config.effective_idle_ttl(),
             terminate_grace: config.local.effective_terminate_grace(),
             stderr: config.local.effective_agent_stderr(),
+            working_dirs: config.local.working_dirs.clone(),
         }
+    }
+
+    /// Allows session overlays to work in `dir` and beneath it (the configuration key
+    /// `session_runtime.local.working_dirs`). With none allowed, `[agent].working_dir` is.
+    pub fn allow_working_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.working_dirs.push(dir.into());
+        self
     }
 
     /// The installation whose sessions this runtime serves.
@@ -92,7 +102,8 @@ impl SharedRuntimeBuilder {
     /// [`Error::InvalidConfig`] naming the key: `session_runtime.local.storage` if the section
     /// selects per-session storage (that is `runtime-local`'s), `session_runtime.installation`,
     /// `agent.command` if empty, `agent.working_dir` if it is not a directory, a grace or TTL
-    /// above its maximum.
+    /// above its maximum, `session_runtime.local.working_dirs` for an entry that is not an
+    /// existing directory.
     pub fn build(self) -> Result<SharedRuntime> {
         let invalid = |key: &str, reason: String| Error::InvalidConfig {
             key: key.into(),
@@ -141,6 +152,15 @@ impl SharedRuntimeBuilder {
                 format!("{} is not a directory", working_dir.display()),
             ));
         }
+        let (allowed, key) = if self.working_dirs.is_empty() {
+            (vec![working_dir.clone()], "agent.working_dir")
+        } else {
+            (self.working_dirs, "session_runtime.local.working_dirs")
+        };
+        let overlay_roots = allowed
+            .iter()
+            .map(|dir| overlay_dir::root(dir).map_err(|reason| invalid(key, reason)))
+            .collect::<Result<Vec<_>>>()?;
         tracing::warn!(
             working_dir = %working_dir.display(),
             "the shared session runtime isolates nothing: every session's agent runs in this \
@@ -150,6 +170,7 @@ impl SharedRuntimeBuilder {
             inner: Arc::new(Inner {
                 agent: self.agent,
                 working_dir,
+                overlay_roots,
                 idle_ttl: self.idle_ttl,
                 terminate_grace: self.terminate_grace,
                 stderr: self.stderr,
@@ -170,6 +191,8 @@ pub struct SharedRuntime {
 struct Inner {
     agent: AgentCommand,
     working_dir: PathBuf,
+    /// Where session overlays may work (canonical), with everything beneath.
+    overlay_roots: Vec<PathBuf>,
     idle_ttl: Option<Duration>,
     terminate_grace: Duration,
     stderr: AgentStderr,
@@ -183,6 +206,7 @@ struct Inner {
 #[derive(Debug)]
 struct Session {
     status: SessionStatus,
+    overlay: SessionOverlay,
     worker: Option<Running>,
 }
 
@@ -229,6 +253,17 @@ impl SharedRuntime {
         tracing::debug!(session = %id, generation, ?exit, "worker stopped");
     }
 
+    /// An overlay as `create` keeps it: valid, with its working directory resolved to an allowed
+    /// existing directory.
+    fn checked_overlay(&self, overlay: &SessionOverlay) -> Result<SessionOverlay> {
+        overlay.validate()?;
+        let mut checked = overlay.clone();
+        if let Some(dir) = &overlay.working_dir {
+            checked.working_dir = Some(overlay_dir::allowed(dir, &self.inner.overlay_roots)?);
+        }
+        Ok(checked)
+    }
+
     fn not_found(id: &SessionId) -> Error {
         Error::NotFound { id: *id }
     }
@@ -261,15 +296,24 @@ impl SessionRuntime for SharedRuntime {
         RUNTIME
     }
 
-    /// Isolation none, no storage of a session's own, nothing survives the broker.
+    /// Isolation none, no storage of a session's own, nothing survives the broker; overlays are
+    /// applied (a working directory among `local.working_dirs`).
     fn capabilities(&self) -> Capabilities {
-        Capabilities::minimal()
+        Capabilities::minimal().with_overlay(true)
     }
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         let id = identity.id();
+        let overlay = match &options.overlay {
+            Some(overlay) => Some(self.checked_overlay(overlay)?),
+            None => None,
+        };
         let mut sessions = self.inner.sessions.lock();
-        if let Some(existing) = sessions.get(&id).filter(|s| !s.status.state.is_closed()) {
+        if let Some(existing) = sessions.get_mut(&id).filter(|s| !s.status.state.is_closed()) {
+            if let Some(overlay) = overlay {
+                // For the next worker; a running one keeps the overlay it was started with.
+                existing.overlay = overlay;
+            }
             return Ok(SessionHandle::new(
                 id,
                 existing.status.state,
@@ -288,7 +332,14 @@ impl SessionRuntime for SharedRuntime {
         let mut status = SessionStatus::new(id, SystemTime::now());
         status.generation = generation;
         status.storage_refs = vec![format!("shared:{}", self.inner.working_dir.display())];
-        sessions.insert(id, Session { status, worker: None });
+        sessions.insert(
+            id,
+            Session {
+                status,
+                overlay: overlay.unwrap_or_default(),
+                worker: None,
+            },
+        );
         Ok(SessionHandle::new(id, SessionState::Created, generation, true))
     }
 
@@ -308,6 +359,16 @@ impl SessionRuntime for SharedRuntime {
         }
         // One worker per session: the previous one stops before the next starts.
         self.stop(id, false).await;
+        let overlay = {
+            let sessions = self.inner.sessions.lock();
+            let session = sessions.get(id).ok_or_else(|| Self::not_found(id))?;
+            session.overlay.clone()
+        };
+        // Checked again: the directory, or a link on its way, may have changed since create.
+        let working_dir = match &overlay.working_dir {
+            Some(dir) => overlay_dir::allowed(dir, &self.inner.overlay_roots)?,
+            None => self.inner.working_dir.clone(),
+        };
         let generation = {
             let mut sessions = self.inner.sessions.lock();
             let session = sessions.get_mut(id).ok_or_else(|| Self::not_found(id))?;
@@ -315,9 +376,15 @@ impl SessionRuntime for SharedRuntime {
             session.status.generation
         };
         let agent = &self.inner.agent;
-        let env = spawn::environment(agent, &self.inner.working_dir, spawn::broker_env);
+        let mut env = spawn::environment(agent, &working_dir, spawn::broker_env);
+        env.extend(
+            overlay
+                .env
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone())),
+        );
         let log_stderr = self.inner.stderr.level().is_some();
-        let mut child = spawn::command(agent, &self.inner.working_dir, &env, log_stderr)
+        let mut child = spawn::command(agent, &working_dir, &env, log_stderr)
             .spawn()
             .map_err(|e| Error::WorkerFailed {
                 id: *id,
@@ -355,7 +422,7 @@ impl SessionRuntime for SharedRuntime {
                 last_io: Arc::clone(&last_io),
             });
         }
-        let working_dir = self.inner.working_dir.to_string_lossy().into_owned();
+        let working_dir = working_dir.to_string_lossy().into_owned();
         Ok(Attachment::new(AttachmentParts::new(
             fence,
             working_dir,

@@ -166,6 +166,31 @@ impl SessionRuntimeConfig {
         }
     }
 
+    /// Sets an unset [`idle_ttl`](Self::idle_ttl) to the broker pool's own idle TTL (openab-core's
+    /// `[pool] session_ttl_hours`), so the runtime's backstop and the pool agree, except for the
+    /// local runtime with [`StorageMode::Shared`]: upstream has no runtime idle timer there, and
+    /// the pool's eviction stays the only one. A key the operator set is kept.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use session_runtime::config::SessionRuntimeConfig;
+    ///
+    /// let pool_ttl = Duration::from_secs(4 * 3600);
+    /// let mut shared = SessionRuntimeConfig::default();
+    /// shared.fill_idle_ttl_from_pool(pool_ttl);
+    /// assert_eq!(shared.effective_idle_ttl(), None);
+    /// let mut per_session = SessionRuntimeConfig::from_toml_section("[local]\nstorage = \"per-session\"")?;
+    /// per_session.fill_idle_ttl_from_pool(pool_ttl);
+    /// assert_eq!(per_session.effective_idle_ttl(), Some(pool_ttl));
+    /// # Ok::<(), session_runtime::Error>(())
+    /// ```
+    pub fn fill_idle_ttl_from_pool(&mut self, pool_ttl: Duration) {
+        let shared = self.runtime == RuntimeKind::Local && self.local.storage == StorageMode::Shared;
+        if self.idle_ttl.is_none() && !shared {
+            self.idle_ttl = Some(IdleTtl::After(pool_ttl));
+        }
+    }
+
     /// Reads the `[session_runtime]` section of a whole OpenAB configuration file and validates it.
     ///
     /// Other top-level tables (`[agent]`, `[discord]`, ...) are ignored. A missing
@@ -408,6 +433,13 @@ pub struct LocalConfig {
     /// [`effective_agent_stderr`](Self::effective_agent_stderr).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_stderr: Option<AgentStderr>,
+    /// With shared storage: the host directories a session overlay's working directory
+    /// ([`SessionOverlay`](crate::SessionOverlay), upstream's `[[ws:...]]`) may be, each with
+    /// everything beneath it, links resolved. Each must be absolute. Default empty:
+    /// `[agent].working_dir` and what is beneath it. Not allowed with per-session storage, whose
+    /// overlay working directories are inside each session's own workspace.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub working_dirs: Vec<PathBuf>,
 }
 
 impl LocalConfig {
@@ -473,6 +505,18 @@ impl LocalConfig {
         }
         if let Some(root) = &self.root {
             check_absolute("local.root", root)?;
+        }
+        if self.storage == StorageMode::PerSession && !self.working_dirs.is_empty() {
+            return Err(invalid(
+                "local.working_dirs",
+                "lists host directories a session overlay may work in with storage = \"shared\"; \
+                 with storage = \"per-session\" an overlay's working directory is inside the \
+                 session's own workspace, so remove the key"
+                    .to_owned(),
+            ));
+        }
+        for dir in &self.working_dirs {
+            check_absolute("local.working_dirs", dir)?;
         }
         if let Some(template) = &self.home_template {
             check_absolute("local.home_template", template)?;
@@ -1585,6 +1629,24 @@ mod tests {
                 if key == "profile/p" && reason.starts_with("not valid TOML: ") && reason.ends_with("column 8)")),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn overlay_working_dirs_are_absolute_and_for_shared_storage_only() {
+        let config = SessionRuntimeConfig::from_toml_section("[local]\nworking_dirs = [\"/home/agent\"]")
+            .expect("an absolute directory with shared storage");
+        assert_eq!(config.local.working_dirs, [PathBuf::from("/home/agent")]);
+        for text in [
+            "[local]\nworking_dirs = [\"home/agent\"]",
+            "[local]\nstorage = \"per-session\"\nworking_dirs = [\"/home/agent\"]",
+        ] {
+            match SessionRuntimeConfig::from_toml_section(text) {
+                Err(Error::InvalidConfig { key, .. }) => {
+                    assert_eq!(key, "session_runtime.local.working_dirs", "{text}")
+                }
+                other => panic!("{text}: expected InvalidConfig, got {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -21,16 +21,18 @@
 //! # }
 //! ```
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 
+use crate::overlay::{ENV_FIELD, WORKING_DIR_FIELD};
 use crate::testing::{AcpClient, PermissionAnswer};
 use crate::{
     CloseReason, CreateOptions, Error, Result, Retention, RetentionPolicy, SessionId, SessionIdentity,
-    SessionRuntime, SessionState, StorageState, SuspendReason,
+    SessionOverlay, SessionRuntime, SessionState, StorageState, SuspendReason,
 };
 
 /// How long the suite waits for anything before it calls the runtime hung.
@@ -57,6 +59,7 @@ pub struct Target {
     installation: String,
     retention: RetentionPolicy,
     faults: Option<Arc<dyn FaultInjector>>,
+    overlay_host_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Target {
@@ -66,6 +69,7 @@ impl std::fmt::Debug for Target {
             .field("installation", &self.installation)
             .field("retention", &self.retention)
             .field("faults", &self.faults.is_some())
+            .field("overlay_host_dir", &self.overlay_host_dir)
             .finish()
     }
 }
@@ -78,7 +82,17 @@ impl Target {
             installation: installation.into(),
             retention: RetentionPolicy::default(),
             faults: None,
+            overlay_host_dir: None,
         }
+    }
+
+    /// For a runtime whose sessions share the host's storage (the local runtime's
+    /// `storage = "shared"`): a host directory it allows as an overlay's working directory, with
+    /// a writable directory beneath it (the suite makes `conformance-overlay` there). Without
+    /// it, the suite gives overlays a directory relative to the session's workspace.
+    pub fn with_overlay_host_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.overlay_host_dir = Some(dir.into());
+        self
     }
 
     /// The retention policy the runtime was configured with.
@@ -196,6 +210,8 @@ behaviours!(
     unknown_and_closed_sessions_give_right_errors,
     reconcile_reclaims_stray_worker,
     reconcile_finishes_interrupted_close,
+    overlay_is_applied_at_every_attach,
+    invalid_overlays_are_rejected,
 );
 
 /// `create` provisions a session once; repeating it returns the same session unchanged.
@@ -809,4 +825,172 @@ pub async fn reconcile_finishes_interrupted_close(target: &Target) -> Verdict {
     }
     drop(client);
     Verdict::Passed
+}
+
+/// The environment variable the overlay behaviours set.
+const OVERLAY_VARIABLE: &str = "OAB_CONFORMANCE_OVERLAY";
+
+/// The working directory the overlay behaviours ask for, and what the agent's should end with.
+fn overlay_working_dir(target: &Target) -> (PathBuf, PathBuf) {
+    match &target.overlay_host_dir {
+        Some(dir) => {
+            let made = dir.join("conformance-overlay");
+            std::fs::create_dir_all(&made)
+                .unwrap_or_else(|e| panic!("making the overlay directory {}: {e}", made.display()));
+            let ends = Path::new("conformance-overlay").to_owned();
+            (made, ends)
+        }
+        None => {
+            let relative = Path::new("conformance-overlay").join("nested");
+            (relative.clone(), relative)
+        }
+    }
+}
+
+/// What the agent sees from inside: its working directory and the overlay's variable.
+async fn seen_from_inside(client: &AcpClient) -> (String, String) {
+    let probe = exec(client, &format!("pwd; printf '%s' \"${OVERLAY_VARIABLE}\"")).await;
+    assert!(
+        probe.success(),
+        "the probe of cwd and environment failed: {probe:?}"
+    );
+    let (cwd, value) = probe
+        .stdout
+        .split_once('\n')
+        .unwrap_or((probe.stdout.as_str(), ""));
+    (cwd.to_owned(), value.to_owned())
+}
+
+/// A [`SessionOverlay`] given at create is applied by every attach: the agent runs in its
+/// working directory (the one the attachment reports) with its variable, after a suspend too,
+/// and a later create replaces it for the next attach. A runtime that does not declare
+/// [`Capabilities::overlay`](crate::Capabilities) refuses it with
+/// [`Error::Unsupported`] naming the field, and creates nothing.
+pub async fn overlay_is_applied_at_every_attach(target: &Target) -> Verdict {
+    let identity = target.identity("overlay_is_applied_at_every_attach");
+    let (working_dir, ends_with) = overlay_working_dir(target);
+    let overlay = |value: &str| {
+        SessionOverlay::new()
+            .working_dir(&working_dir)
+            .env(OVERLAY_VARIABLE, value)
+    };
+    if !target.runtime.capabilities().overlay {
+        for (refused, field) in [
+            (overlay("first"), WORKING_DIR_FIELD),
+            (SessionOverlay::new().env(OVERLAY_VARIABLE, "first"), ENV_FIELD),
+        ] {
+            let options = CreateOptions::new().with_overlay(refused);
+            match within("create", target.runtime.create(&identity, &options)).await {
+                Err(Error::Unsupported { operation, .. }) => assert_eq!(
+                    operation, field,
+                    "an overlay the runtime cannot apply must be refused naming its field"
+                ),
+                other => panic!("a runtime without overlays must refuse one as Unsupported, got {other:?}"),
+            }
+        }
+        assert_not_created(target, &identity).await;
+        return Verdict::Passed;
+    }
+    let options = CreateOptions::new().with_overlay(overlay("first"));
+    let id = within("create", target.runtime.create(&identity, &options))
+        .await
+        .unwrap_or_else(|e| panic!("create with an overlay failed: {e}"))
+        .id;
+    for attempt in ["first attach", "attach after suspend"] {
+        let client = target.client(&id).await;
+        let reported = client.working_dir().to_owned();
+        assert!(
+            Path::new(&reported).ends_with(&ends_with),
+            "{attempt}: the attachment must report the overlay's working directory {}, got {reported:?}",
+            ends_with.display()
+        );
+        let (cwd, value) = seen_from_inside(&client).await;
+        assert_eq!(
+            cwd, reported,
+            "{attempt}: the agent must run where the attachment says"
+        );
+        assert_eq!(
+            value, "first",
+            "{attempt}: the agent must get the overlay's variable"
+        );
+        drop(client);
+        within("suspend", target.runtime.suspend(&id, SuspendReason::Idle))
+            .await
+            .expect("suspend");
+    }
+    let again = within(
+        "create",
+        target
+            .runtime
+            .create(&identity, &CreateOptions::new().with_overlay(overlay("second"))),
+    )
+    .await
+    .expect("create of an existing session with a new overlay");
+    assert!(!again.created, "an existing session is not created again");
+    let client = target.client(&id).await;
+    let (_, value) = seen_from_inside(&client).await;
+    assert_eq!(
+        value, "second",
+        "a later create's overlay must replace the session's"
+    );
+    drop(client);
+    target.cleanup(&id).await;
+    Verdict::Passed
+}
+
+/// A malformed overlay (a bad variable name, a NUL in a value, a working directory the runtime
+/// cannot allow) is refused at create with [`Error::InvalidOverlay`] naming the field (or, by a
+/// runtime without overlays, [`Error::Unsupported`] naming one), and nothing is created.
+pub async fn invalid_overlays_are_rejected(target: &Target) -> Verdict {
+    let identity = target.identity("invalid_overlays_are_rejected");
+    let mut cases = vec![
+        (SessionOverlay::new().env("NOT-A-NAME", "v"), ENV_FIELD),
+        (SessionOverlay::new().env("A_NAME", "nul\0inside"), ENV_FIELD),
+    ];
+    match &target.overlay_host_dir {
+        Some(dir) => {
+            cases.push((
+                SessionOverlay::new().working_dir("relative/dir"),
+                WORKING_DIR_FIELD,
+            ));
+            cases.push((
+                SessionOverlay::new().working_dir(dir.join("does-not-exist")),
+                WORKING_DIR_FIELD,
+            ));
+        }
+        None => {
+            cases.push((SessionOverlay::new().working_dir("/etc"), WORKING_DIR_FIELD));
+            cases.push((
+                SessionOverlay::new().working_dir("inside/../../outside"),
+                WORKING_DIR_FIELD,
+            ));
+        }
+    }
+    let supported = target.runtime.capabilities().overlay;
+    for (overlay, field) in cases {
+        let shown = format!("{overlay:?}");
+        let options = CreateOptions::new().with_overlay(overlay);
+        match within("create", target.runtime.create(&identity, &options)).await {
+            Err(Error::InvalidOverlay { field: got, .. }) if supported => {
+                assert_eq!(got, field, "the wrong field was blamed for {shown}")
+            }
+            Err(Error::Unsupported { operation, .. }) if !supported => {
+                assert!(
+                    [WORKING_DIR_FIELD, ENV_FIELD].contains(&operation),
+                    "Unsupported must name the overlay's field, got {operation}"
+                )
+            }
+            other => panic!("the overlay {shown} must be refused, got {other:?}"),
+        }
+    }
+    assert_not_created(target, &identity).await;
+    Verdict::Passed
+}
+
+async fn assert_not_created(target: &Target, identity: &SessionIdentity) {
+    match target.runtime.status(&identity.id()).await {
+        Err(Error::NotFound { .. }) => {}
+        Ok(status) if status.state == SessionState::Closed => {}
+        other => panic!("a refused create must create nothing, got {other:?}"),
+    }
 }

@@ -47,6 +47,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// A [`SessionOverlay`](crate::SessionOverlay) field cannot be applied: a malformed
+    /// environment variable name, a value too long, a working directory outside what the runtime
+    /// allows (a host path where the session has storage of its own, `..`, a symbolic link
+    /// leading out, a directory the operator's configuration does not allow). The message names
+    /// variables, never their values.
+    #[error("invalid session overlay: `{field}` {problem}")]
+    InvalidOverlay {
+        /// The field: [`WORKING_DIR_FIELD`](crate::overlay::WORKING_DIR_FIELD) or
+        /// [`ENV_FIELD`](crate::overlay::ENV_FIELD).
+        field: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+
     /// No session with this id exists (it was never created, or its record is gone).
     #[error("session {id} not found")]
     NotFound {
@@ -154,6 +168,7 @@ impl Error {
             Error::InvalidIdentity { .. }
             | Error::InvalidConfig { .. }
             | Error::InvalidArgument { .. }
+            | Error::InvalidOverlay { .. }
             | Error::NotFound { .. }
             | Error::InvalidState { .. }
             | Error::Fenced { .. }
@@ -184,7 +199,7 @@ impl Error {
         let kind = match &self {
             Error::Fenced { .. } => std::io::ErrorKind::ConnectionAborted,
             Error::Disconnected { .. } => std::io::ErrorKind::BrokenPipe,
-            Error::InvalidArgument { .. } => std::io::ErrorKind::InvalidInput,
+            Error::InvalidArgument { .. } | Error::InvalidOverlay { .. } => std::io::ErrorKind::InvalidInput,
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, self)

@@ -16,7 +16,8 @@
 //! ```
 //!
 //! This crate holds the contract only: [`SessionIdentity`] and [`SessionId`], the
-//! [`SessionRuntime`] trait, [`Attachment`], the [`Error`] kinds, lifecycle data
+//! [`SessionRuntime`] trait, [`Attachment`], the [`Error`] kinds, a session's own working
+//! directory and environment ([`SessionOverlay`]), lifecycle data
 //! ([`SessionState`], [`SessionStatus`], [`Capabilities`], ...) and the `[session_runtime]`
 //! [`config`]. It depends on no backend.
 //!
@@ -49,6 +50,7 @@ mod attachment;
 pub mod config;
 mod error;
 mod identity;
+pub mod overlay;
 mod retention;
 mod runtime;
 mod state;
@@ -64,6 +66,7 @@ pub use attachment::{
 };
 pub use error::{BoxError, Error, Result, WorkerExit, WorkerFailure};
 pub use identity::{SessionId, SessionIdentity};
+pub use overlay::SessionOverlay;
 pub use retention::*;
 pub use runtime::{DynSessionRuntime, SessionRuntime};
 pub use state::{

@@ -55,23 +55,32 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///   or a [`WorkspaceSeed::CopyOf`](crate::WorkspaceSeed::CopyOf) source has a worker or is held.
     /// - [`NotFound`](crate::Error::NotFound) or [`InvalidState`](crate::Error::InvalidState) if a
     ///   copy's source does not exist or is closed.
-    /// - [`Unsupported`](crate::Error::Unsupported) for a seed the backend cannot apply.
+    /// - [`Unsupported`](crate::Error::Unsupported) for a seed the backend cannot apply, or an
+    ///   [`overlay`](CreateOptions::overlay) field it cannot apply (the error names the field).
+    /// - [`InvalidOverlay`](crate::Error::InvalidOverlay) naming the field for an overlay the
+    ///   backend refuses (see [`SessionOverlay`](crate::SessionOverlay)); nothing is created or
+    ///   changed.
     /// - [`Backend`](crate::Error::Backend) if provisioning failed; nothing half-made is left that
     ///   a retry or `reconcile` cannot finish.
     ///
     /// # Idempotency
-    /// For an existing session (any state but closed) it returns that session unchanged, with
-    /// [`SessionHandle::created`] `false`; `options` are ignored. For a closed session it starts a
+    /// For an existing session (any state but closed) it returns that session with
+    /// [`SessionHandle::created`] `false`, and `options` are ignored but for an
+    /// [`overlay`](CreateOptions::overlay), which replaces the session's for its next attach (the
+    /// running worker, if any, keeps the one it was started with); the same overlay again changes
+    /// nothing. For a closed session it starts a
     /// new one under the same id with fresh storage: storage retained by the close is never handed
     /// to the new session.
     ///
     /// # Cancellation
     /// Dropping the future may leave a partly provisioned session; the next `create` for the same
-    /// identity completes it.
+    /// identity completes it. Replacing an existing session's overlay is one atomic record write:
+    /// dropped, it either happened or did not, and repeating the call settles it.
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle>;
 
     /// Returns the stream to the session's worker, starting one if none runs for the current
-    /// generation.
+    /// generation, with the session's [`SessionOverlay`](crate::SessionOverlay) (its working
+    /// directory, reported by the attachment, and its environment).
     ///
     /// A new attach fences every previous attachment of the session: their streams end with
     /// [`Fenced`](crate::Error::Fenced). Unless the runtime declares
@@ -89,6 +98,9 @@ pub trait SessionRuntime: fmt::Debug + Send + Sync + 'static {
     ///   worker.
     /// - [`StorageLost`](crate::Error::StorageLost) if the session's storage went away without its
     ///   runtime (where the backend can tell); the session can only be closed.
+    /// - [`InvalidOverlay`](crate::Error::InvalidOverlay) naming the working directory if it can no
+    ///   longer be used (something else or a symbolic link is there now, or the operator no longer
+    ///   allows it); no worker is started.
     /// - [`Backend`](crate::Error::Backend): retryable for a session whose `create` has not
     ///   finished (calling `create` again finishes it); not retryable for a session record that
     ///   cannot be read.

@@ -335,6 +335,11 @@ pub enum WorkspaceSeed {
 pub struct CreateOptions {
     /// How to provision the workspace; empty when `None`.
     pub workspace_seed: Option<WorkspaceSeed>,
+    /// The session's working directory and environment on top of the configured agent
+    /// ([`SessionOverlay`](crate::SessionOverlay)), kept with the session and applied by every
+    /// attach. `None` keeps what the session has (nothing, for a new one); `Some` replaces it,
+    /// also for an existing session (the next worker gets it, a running one keeps its own).
+    pub overlay: Option<crate::SessionOverlay>,
 }
 
 impl CreateOptions {
@@ -346,6 +351,12 @@ impl CreateOptions {
     /// Seeds the workspace.
     pub fn with_workspace_seed(mut self, seed: WorkspaceSeed) -> Self {
         self.workspace_seed = Some(seed);
+        self
+    }
+
+    /// Sets the session's overlay (see [`overlay`](Self::overlay)).
+    pub fn with_overlay(mut self, overlay: crate::SessionOverlay) -> Self {
+        self.overlay = Some(overlay);
         self
     }
 }
@@ -431,6 +442,10 @@ pub struct Capabilities {
     /// (AgentCore's idle timeout). Independent of the runtime's own `idle_ttl`, which suspends
     /// through the lifecycle; the next attach starts a new worker either way.
     pub platform_idle_timeout: Option<Duration>,
+    /// Whether the runtime applies a [`SessionOverlay`](crate::SessionOverlay) (a working
+    /// directory and environment per session). Without it, `create` refuses a non-empty overlay
+    /// with [`Error::Unsupported`](crate::Error::Unsupported) naming the field.
+    pub overlay: bool,
 }
 
 impl Capabilities {
@@ -444,7 +459,14 @@ impl Capabilities {
             replay_on_reattach: false,
             max_lifetime: None,
             platform_idle_timeout: None,
+            overlay: false,
         }
+    }
+
+    /// Declares that the runtime applies session overlays.
+    pub const fn with_overlay(mut self, yes: bool) -> Self {
+        self.overlay = yes;
+        self
     }
 
     /// Sets the isolation level.

@@ -484,7 +484,11 @@ pub(crate) fn bwrap_args(
         traversable_parents(&mut args, Path::new(SANDBOX_SCOPER));
         args.push("--ro-bind").push(scoper).push(SANDBOX_SCOPER);
     }
-    args.push("--chdir").push(SANDBOX_WORKSPACE);
+    let working_dir = match spec.working_dir {
+        Some(relative) => Path::new(SANDBOX_WORKSPACE).join(relative),
+        None => PathBuf::from(SANDBOX_WORKSPACE),
+    };
+    args.push("--chdir").push(working_dir);
     args.push("--");
     if !mounted_needs.is_empty() {
         // In the sandbox's own mount namespace, before anything of the agent's runs: each need

@@ -208,6 +208,9 @@ pub(crate) struct LaunchSpec<'a> {
     pub(crate) pinned: &'a needs::PinnedNeeds,
     /// With `network = "allowlist"`: the session's way out of its network namespace.
     pub(crate) egress: Option<&'a EgressLaunch>,
+    /// The agent's working directory relative to its workspace (the session overlay's); `None`:
+    /// the workspace itself.
+    pub(crate) working_dir: Option<&'a Path>,
 }
 
 /// How a session of `network = "allowlist"` reaches its proxy: the `oab-egress-forward` helper

@@ -14,8 +14,8 @@ use crate::conformance::FaultInjector;
 use crate::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, ExitCell, Fence,
     FenceTrigger, Generation, IsolationLevel, ReconcileReport, Result, RetentionPolicy, SessionHandle,
-    SessionId, SessionIdentity, SessionRuntime, SessionState, SessionStatus, StorageState, SuspendReason,
-    WorkerControl, WorkerExit, WorkerInfo,
+    SessionId, SessionIdentity, SessionOverlay, SessionRuntime, SessionState, SessionStatus, StorageState,
+    SuspendReason, WorkerControl, WorkerExit, WorkerInfo,
 };
 
 const RUNTIME: &str = "fake";
@@ -89,7 +89,9 @@ impl FakeRuntimeBuilder {
 /// Storage is a real directory per session (so exec probes can show that it survives suspend),
 /// records live in memory, workers are Tokio tasks connected by in-memory pipes. It isolates
 /// nothing and survives nothing. It is the reference the conformance suite is checked against,
-/// and a stand-in for broker tests.
+/// and a stand-in for broker tests. It refuses a [`SessionOverlay`] with
+/// [`Error::Unsupported`] naming the field: its in-process agents share the test's working
+/// directory and environment.
 #[derive(Debug)]
 pub struct FakeRuntime {
     installation: String,
@@ -286,6 +288,8 @@ impl SessionRuntime for FakeRuntime {
 
     async fn create(&self, identity: &SessionIdentity, options: &CreateOptions) -> Result<SessionHandle> {
         identity.require_installation(&self.installation)?;
+        // The in-process agent shares the test's working directory and environment.
+        SessionOverlay::refuse(options.overlay.as_ref(), RUNTIME)?;
         if options.workspace_seed.is_some() {
             return Err(Error::Unsupported {
                 operation: "workspace seeds",
