@@ -268,7 +268,11 @@ impl LocalLauncherBuilder {
                 mechanism: mechanism.into(),
             },
             start_timeout: self.start_timeout,
-            storage: Arc::new(StorageMounts::new(self.storage, helper.is_some())),
+            storage: Arc::new(StorageMounts::new(
+                self.storage,
+                helper.is_some(),
+                isolation != IsolationLevel::AccessControl,
+            )),
         })
     }
 }

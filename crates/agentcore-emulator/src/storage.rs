@@ -121,8 +121,11 @@ pub(crate) struct StorageMounts {
 }
 
 impl StorageMounts {
-    /// The plan for `limits` on this host; `rules` says whether the refusals can be enforced.
-    pub(crate) fn new(limits: StorageLimits, rules: bool) -> Self {
+    /// The plan for `limits` on this host; `rules` says whether the refusals can be enforced,
+    /// `late_mounts` whether a mount made after the worker started reaches it (not under
+    /// Landlock: its rules do not extend to a file system mounted on an allowed directory
+    /// later, so the worker would be refused its own storage).
+    pub(crate) fn new(limits: StorageLimits, rules: bool, late_mounts: bool) -> Self {
         let can_mount = limits.mounts() && can_mount();
         if limits.mounts() && !can_mount {
             tracing::warn!(
@@ -130,9 +133,12 @@ impl StorageMounts {
                  start-up absence are not enforced"
             );
         }
+        if limits.absent_during_startup && can_mount && !late_mounts {
+            tracing::warn!("session storage under Landlock: it is there while the worker starts");
+        }
         let enforced = StorageEnforcement {
             size_cap: limits.max_bytes.is_some() && can_mount,
-            absent_during_startup: limits.absent_during_startup && can_mount,
+            absent_during_startup: limits.absent_during_startup && can_mount && late_mounts,
             refuse_special_files: limits.refuse_special_files && rules,
         };
         Self {

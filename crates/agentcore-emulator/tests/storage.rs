@@ -6,7 +6,9 @@ mod common;
 
 use std::path::Path;
 
-use agentcore_emulator::{Emulator, LocalLauncher, StorageEnforcement, StorageLimits, WorkerCommand};
+use agentcore_emulator::{
+    Emulator, LocalLauncher, SandboxMode, StorageEnforcement, StorageLimits, WorkerCommand,
+};
 use common::*;
 use serde_json::{json, Value};
 
@@ -20,8 +22,15 @@ const TEST_CAP: u64 = 8 * 1024 * 1024;
 
 /// An emulator on the test worker with the default storage limits but a cap of [`TEST_CAP`].
 async fn storage_emulator(root: &Path) -> Emulator {
+    storage_emulator_in(root, SandboxMode::Auto).await
+}
+
+/// [`storage_emulator`] with workers in sandbox `mode` (required to work).
+async fn storage_emulator_in(root: &Path, mode: SandboxMode) -> Emulator {
     let launcher = LocalLauncher::builder(WorkerCommand::new(test_worker()))
         .root(root)
+        .sandbox(mode)
+        .require_sandbox(mode != SandboxMode::None)
         .storage_limits(StorageLimits {
             max_bytes: Some(TEST_CAP),
             ..StorageLimits::default()
@@ -29,11 +38,12 @@ async fn storage_emulator(root: &Path) -> Emulator {
         .storage_rules_helper(env!("CARGO_BIN_EXE_oab-storage-rules"))
         .build()
         .expect("launcher");
+    // Landlock cannot have the storage come after the worker started (see the crate docs).
     assert_eq!(
         launcher.storage_enforcement(),
         StorageEnforcement {
             size_cap: true,
-            absent_during_startup: true,
+            absent_during_startup: mode != SandboxMode::Landlock,
             refuse_special_files: true,
         },
         "this host cannot enforce the storage limits (root, mount and mkfs.ext4 are needed)"
@@ -141,6 +151,62 @@ async fn the_storage_is_absent_while_the_worker_starts() {
     emulator.shutdown().await.expect("shutdown");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limits_hold_in_every_sandbox_mode() {
+    let mut modes = vec![SandboxMode::Bubblewrap, SandboxMode::None];
+    // The local backend finds its Landlock helper through this variable in a test binary.
+    if std::env::var_os("OAB_LANDLOCK_EXEC").is_some() {
+        modes.push(SandboxMode::Landlock);
+    } else {
+        eprintln!("Landlock mode not covered: set OAB_LANDLOCK_EXEC to an oab-landlock-exec");
+    }
+    for mode in modes {
+        let root = tempfile::tempdir().expect("root");
+        let emulator = storage_emulator_in(root.path(), mode).await;
+        let sdk = client(&emulator);
+        let session = session_id("modes");
+        let filled = invoke_json(
+            &sdk,
+            &emulator,
+            &session,
+            json!({"op": "fill", "bytes": 2 * TEST_CAP}),
+        )
+        .await;
+        assert_eq!(errno(&filled, "errno"), ENOSPC, "{mode:?}: {filled}");
+        let probe = invoke_json(&sdk, &emulator, &session, json!({"op": "probe"})).await;
+        assert_eq!(errno(&probe, "hard_link"), EPERM, "{mode:?}: {probe}");
+        assert!(
+            emulator.stop_session(&session).await.expect("stop"),
+            "was running"
+        );
+        let startup = invoke_json(&sdk, &emulator, &session, json!({"op": "startup"})).await;
+        let seen = startup["entries"]
+            .as_array()
+            .expect("entries")
+            .iter()
+            .any(|name| name == "fill");
+        assert_eq!(
+            seen,
+            mode == SandboxMode::Landlock,
+            "{mode:?}: start-up saw {startup}"
+        );
+        let storage = emulator
+            .session_storage(&session)
+            .await
+            .expect("storage on the host");
+        assert!(
+            storage.join("fill").is_file(),
+            "{mode:?}: the worker wrote elsewhere than the storage"
+        );
+        emulator.shutdown().await.expect("shutdown");
+        assert_eq!(
+            left_behind(root.path()).await,
+            (Vec::new(), Vec::new()),
+            "{mode:?}"
+        );
+    }
+}
+
 /// Mounts whose source or target lies under `root` (none may outlive the emulator).
 fn mounts_under(root: &Path) -> Vec<String> {
     let table = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
@@ -190,8 +256,11 @@ async fn nothing_is_left_mounted_after_a_stop_a_shutdown_or_a_drop() {
         "was running"
     );
     emulator.shutdown().await.expect("shutdown");
-    assert_eq!(mounts_under(root.path()), Vec::<String>::new());
-    assert_eq!(loops_under(root.path()), Vec::<String>::new());
+    assert_eq!(
+        left_behind(root.path()).await,
+        (Vec::new(), Vec::new()),
+        "after a shutdown"
+    );
 
     // An emulator dropped without a shutdown, its worker still running, cleans up too.
     let emulator = storage_emulator(root.path()).await;
@@ -200,17 +269,24 @@ async fn nothing_is_left_mounted_after_a_stop_a_shutdown_or_a_drop() {
     assert_eq!(read["content"], "1", "kept across emulators: {read}");
     drop(sdk);
     drop(emulator);
-    let mut left = (mounts_under(root.path()), loops_under(root.path()));
+    assert_eq!(
+        left_behind(root.path()).await,
+        (Vec::new(), Vec::new()),
+        "after a drop"
+    );
+}
+
+/// Mounts and loop devices under `root`, once they are gone or after 5 s. A dropped emulator
+/// unmounts when its tasks end, and the kernel frees a loop device after its last user, both
+/// shortly after the call that caused it returns.
+async fn left_behind(root: &Path) -> (Vec<String>, Vec<String>) {
+    let mut left = (mounts_under(root), loops_under(root));
     for _ in 0..100 {
         if left.0.is_empty() && left.1.is_empty() {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        left = (mounts_under(root.path()), loops_under(root.path()));
+        left = (mounts_under(root), loops_under(root));
     }
-    assert_eq!(
-        left,
-        (Vec::new(), Vec::new()),
-        "left behind by a dropped emulator"
-    );
+    left
 }
