@@ -103,7 +103,7 @@
 //!
 //! | limit (default) | mechanism |
 //! |---|---|
-//! | 1 GB (1 GiB) per session: writes beyond fail with `ENOSPC` | the storage is an ext4 file system of that size: a sparse image per session (`mkfs.ext4`, no journal, no reserved blocks) in the local session's directory, loop-mounted on the host while the launcher lives |
+//! | 1 GB (1 GiB) per session: writes beyond fail with `ENOSPC` | the storage is an ext4 file system of that size: a sparse image per session (`mkfs.ext4`, no journal, no reserved blocks; about 990 MiB of a 1 GiB image hold files, the rest is ext4's metadata) in the local session's directory, loop-mounted on the host while the launcher lives |
 //! | absent while the worker starts | the worker's working directory is a mount point of its own until the worker has announced its port; the storage is bound onto it (and propagates into the sandbox) just before the first request is forwarded, and unmounted at every stop: during start-up the worker sees an empty directory whose writes the storage later hides |
 //! | no hard links, FIFOs, UNIX sockets, xattrs or `fallocate` | `oab-storage-rules` execs the worker under seccomp filters: `link`/`linkat`, `mknod`/`mknodat` of a FIFO or socket and `socket(AF_UNIX)` get `EPERM`, setting or removing an xattr and `fallocate` get `EOPNOTSUPP` ([`storage_rules`]) |
 //!

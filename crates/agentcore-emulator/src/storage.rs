@@ -104,8 +104,10 @@ impl SessionPaths {
 }
 
 /// What is mounted for one session.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Mounted {
+    /// The session's paths.
+    paths: SessionPaths,
     /// The image is mounted at the volume directory.
     volume: bool,
     /// Mounts stacked on the workspace (its own shared bind, then the storage), bottom first.
@@ -192,14 +194,12 @@ impl StorageMounts {
     /// After the worker is gone (a stop, or a start that failed): the workspace is unmounted;
     /// the volume stays for the host's view and the next start.
     pub(crate) async fn after_stop(&self, paths: &SessionPaths) -> Result<(), WorkerError> {
-        let stacked = std::mem::take(
-            &mut self
-                .mounted
-                .lock()
-                .entry(paths.base.clone())
-                .or_default()
-                .on_workspace,
-        );
+        let stacked = self
+            .mounted
+            .lock()
+            .get_mut(&paths.base)
+            .map(|mounted| std::mem::take(&mut mounted.on_workspace))
+            .unwrap_or_default();
         let mut first_error = None;
         for _ in stacked.iter().rev() {
             if let Err(error) = unmount(&paths.workspace).await {
@@ -227,16 +227,12 @@ impl StorageMounts {
     /// holds a mount: nothing stays in the mount table, and each loop device is freed when its
     /// last user is gone.
     pub(crate) fn release_all(&self) {
-        for (base, mounted) in self.mounted.lock().drain() {
-            let paths = SessionPaths {
-                workspace: base.join("workspace"),
-                base,
-            };
+        for (_, mounted) in self.mounted.lock().drain() {
             for _ in &mounted.on_workspace {
-                unmount_now(&paths.workspace);
+                unmount_now(&mounted.paths.workspace);
             }
             if mounted.volume {
-                unmount_now(&paths.volume());
+                unmount_now(&mounted.paths.volume());
             }
         }
     }
@@ -280,7 +276,7 @@ impl StorageMounts {
             ],
         )
         .await?;
-        self.mounted.lock().entry(paths.base.clone()).or_default().volume = true;
+        self.entry(paths, |mounted| mounted.volume = true);
         if fresh {
             // mkfs's lost+found is not part of an empty session storage.
             let _ = std::fs::remove_dir(volume.join("lost+found"));
@@ -314,13 +310,19 @@ impl StorageMounts {
         args: &[&str],
     ) -> Result<(), WorkerError> {
         run("mount", args).await?;
-        self.mounted
-            .lock()
-            .entry(paths.base.clone())
-            .or_default()
-            .on_workspace
-            .push(what);
+        self.entry(paths, |mounted| mounted.on_workspace.push(what));
         Ok(())
+    }
+
+    /// Changes the record of what is mounted for `paths`' session.
+    fn entry(&self, paths: &SessionPaths, change: impl FnOnce(&mut Mounted)) {
+        let mut table = self.mounted.lock();
+        let mounted = table.entry(paths.base.clone()).or_insert_with(|| Mounted {
+            paths: paths.clone(),
+            volume: false,
+            on_workspace: Vec::new(),
+        });
+        change(mounted);
     }
 }
 
