@@ -505,5 +505,6 @@ impl Emulator {
 impl Drop for Emulator {
     fn drop(&mut self) {
         self.shared.shutdown.cancel();
+        self.shared.sessions.launcher().release();
     }
 }

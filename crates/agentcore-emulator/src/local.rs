@@ -462,6 +462,10 @@ impl WorkerLauncher for LocalLauncher {
             Err(error) => Err(WorkerError::Stop(error.to_string())),
         }
     }
+
+    fn release(&self) {
+        self.storage.release_all();
+    }
 }
 
 /// A worker that is a local session's current generation.

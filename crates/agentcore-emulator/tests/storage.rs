@@ -269,6 +269,13 @@ async fn nothing_is_left_mounted_after_a_stop_a_shutdown_or_a_drop() {
     assert_eq!(read["content"], "1", "kept across emulators: {read}");
     drop(sdk);
     drop(emulator);
+    // At once: a test that panics drops its emulator and then its temporary directory, which
+    // could not be removed while the storage is still mounted in it.
+    assert_eq!(
+        mounts_under(root.path()),
+        Vec::<String>::new(),
+        "right after a drop"
+    );
     assert_eq!(
         left_behind(root.path()).await,
         (Vec::new(), Vec::new()),
