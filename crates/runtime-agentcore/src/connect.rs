@@ -207,7 +207,7 @@ fn upgrade_failure(error: WsError) -> io::Error {
 
 /// TLS for `wss://`: aws-lc-rs (the provider the AWS SDK uses) and the roots of
 /// [`TrustRoots`] (the system's, else the compiled-in ones).
-fn tls_connector() -> Result<tokio_rustls::TlsConnector, String> {
+pub(crate) fn tls_connector() -> Result<tokio_rustls::TlsConnector, String> {
     static CONNECTOR: OnceLock<Result<tokio_rustls::TlsConnector, String>> = OnceLock::new();
     CONNECTOR
         .get_or_init(|| {

@@ -49,7 +49,7 @@ pub(crate) struct Aws {
 /// builds) trusting [`TrustRoots`] instead of loading the system's roots on its own, so that an
 /// image without a CA bundle still reaches AWS. Also used by the credential providers the
 /// loader builds (STS, SSO, container and instance metadata).
-fn https_client() -> aws_smithy_runtime_api::client::http::SharedHttpClient {
+pub(crate) fn https_client() -> aws_smithy_runtime_api::client::http::SharedHttpClient {
     use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode, TlsContext};
     let context = TlsContext::builder()
         .with_trust_store(TrustRoots::get().sdk_trust_store())

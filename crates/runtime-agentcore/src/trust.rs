@@ -161,6 +161,42 @@ mod tests {
         assert_eq!(roots.root_store().len(), 1);
     }
 
+    /// Run by [`an_empty_ssl_cert_file_still_leaves_roots`] in a process of its own, with
+    /// `SSL_CERT_FILE` naming an empty file: this process's roots and both clients.
+    #[test]
+    #[ignore = "run by an_empty_ssl_cert_file_still_leaves_roots with SSL_CERT_FILE set"]
+    fn child_roots_with_an_empty_ssl_cert_file() {
+        let roots = TrustRoots::get();
+        assert_eq!(roots.source(), TrustSource::CompiledIn);
+        assert!(roots.len() > 100, "{} roots", roots.len());
+        crate::connect::tls_connector().expect("the wss:// connector");
+        let _sdk = crate::control::https_client();
+    }
+
+    #[test]
+    fn an_empty_ssl_cert_file_still_leaves_roots() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let empty = dir.path().join("empty.pem");
+        std::fs::write(&empty, b"").expect("an empty bundle");
+        let exe = std::env::current_exe().expect("this test binary");
+        let child = std::process::Command::new(exe)
+            .args([
+                "--ignored",
+                "--exact",
+                "trust::tests::child_roots_with_an_empty_ssl_cert_file",
+            ])
+            .env("SSL_CERT_FILE", &empty)
+            .env_remove("SSL_CERT_DIR")
+            .output()
+            .expect("run the child test");
+        let stdout = String::from_utf8_lossy(&child.stdout);
+        assert!(
+            child.status.success() && stdout.contains("1 passed"),
+            "{stdout}{}",
+            String::from_utf8_lossy(&child.stderr)
+        );
+    }
+
     #[test]
     fn the_sdk_store_holds_exactly_the_roots_as_pem() {
         let roots = TrustRoots::choose(Vec::new());
