@@ -9,7 +9,8 @@
 //!   and the session id header it received; `{"op":"startup"}` what the storage held when the
 //!   worker started (before it announced) and whether a file could be written there then;
 //!   `{"op":"probe"}` tries a hard link, a FIFO, a UNIX socket, an xattr, `fallocate`, a
-//!   symbolic link and a rename in the storage and answers each one's errno (0: it worked);
+//!   symbolic link and a rename in the storage, and a UNIX socket and a FIFO in the temporary
+//!   directory, and answers each one's errno (0: it worked);
 //!   `{"op":"fill","bytes":N}` writes N bytes to one file there and answers how many were
 //!   written and the errno that stopped it;
 //! - `GET /ws`: a WebSocket that first sends `hello <session id header>` and then echoes.
@@ -292,7 +293,15 @@ fn probe() -> serde_json::Value {
         .write(true)
         .open(&target)
         .and_then(|file| rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, 4096).map_err(Into::into));
+    let elsewhere = std::env::temp_dir();
+    let socket_elsewhere = elsewhere.join(format!("probe-socket-{}", std::process::id()));
+    let fifo_elsewhere = elsewhere.join(format!("probe-fifo-{}", std::process::id()));
+    let made_fifo_elsewhere =
+        rustix::fs::mknodat(CWD, &fifo_elsewhere, FileType::Fifo, Mode::RUSR | Mode::WUSR, 0)
+            .map_err(std::io::Error::from);
     let answer = serde_json::json!({
+        "socket_elsewhere": errno(std::os::unix::net::UnixListener::bind(&socket_elsewhere)),
+        "fifo_elsewhere": errno(made_fifo_elsewhere),
         "hard_link": errno(std::fs::hard_link(&target, in_storage("probe-link"))),
         "fifo": errno(fifo),
         "socket": errno(std::os::unix::net::UnixListener::bind(in_storage("probe-socket"))),
@@ -305,6 +314,8 @@ fn probe() -> serde_json::Value {
         let _ = std::fs::remove_file(in_storage(name));
     }
     let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_file(&socket_elsewhere);
+    let _ = std::fs::remove_file(&fifo_elsewhere);
     answer
 }
 

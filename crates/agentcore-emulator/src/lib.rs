@@ -105,16 +105,18 @@
 //! |---|---|
 //! | 1 GB (1 GiB) per session: writes beyond fail with `ENOSPC` | the storage is an ext4 file system of that size: a sparse image per session (`mkfs.ext4`, no journal, no reserved blocks; about 990 MiB of a 1 GiB image hold files, the rest is ext4's metadata) in the local session's directory, loop-mounted on the host while the launcher lives |
 //! | absent while the worker starts | the worker's working directory is a mount point of its own until the worker has announced its port; the storage is bound onto it (and propagates into the sandbox) just before the first request is forwarded, and unmounted at every stop: during start-up the worker sees an empty directory whose writes the storage later hides |
-//! | no hard links, FIFOs, UNIX sockets, xattrs or `fallocate` | `oab-storage-rules` execs the worker under seccomp filters: `link`/`linkat`, `mknod`/`mknodat` of a FIFO or socket and `socket(AF_UNIX)` get `EPERM`, setting or removing an xattr and `fallocate` get `EOPNOTSUPP` ([`storage_rules`]) |
+//! | no hard links, FIFOs, UNIX sockets, xattrs or `fallocate` | `oab-storage-rules` execs the worker under a Landlock ruleset that refuses making sockets and FIFOs on the storage alone (`EACCES`), and seccomp filters: `link`/`linkat` get `EPERM`, setting or removing an xattr and `fallocate` get `EOPNOTSUPP`, in every directory ([`storage_rules`]) |
 //!
 //! Why these: a loop-mounted image makes the cap a real file system's `ENOSPC` for any program;
 //! no stock file system has exactly the reported refusals (vfat refuses links, FIFOs, sockets
 //! and xattrs but also symbolic links, permissions and names with `:`, and allows `fallocate`;
 //! a size-limited tmpfs allows all five and lives in memory), and a FUSE file system of our own
-//! would be much more code on the data path. A seccomp filter sees call numbers, not paths, so
-//! the refusals hold for every directory the worker writes (its HOME and `/tmp` too, which in
-//! the emulator are local session storage as well) and a UNIX socket is refused when it is made,
-//! abstract ones included: stricter than the service, never looser.
+//! would be much more code on the data path. Landlock is path-aware, so a socket or FIFO in
+//! `/tmp` or HOME still works (except under the local backend's Landlock mode, where the worker
+//! cannot list the directories it would need to grant); a seccomp filter sees call numbers, not
+//! paths, so hard links, xattrs and `fallocate` are refused in every directory the worker
+//! writes (its HOME and `/tmp` too, which in the emulator are local session storage as well):
+//! stricter than the service, never looser.
 //!
 //! The mounts need root, `mount` and `mkfs.ext4` (e2fsprogs); without them the launcher warns
 //! and [`LocalLauncher::storage_enforcement`] says which limits hold. The refusals need the

@@ -215,11 +215,11 @@ impl LocalLauncherBuilder {
                 // The local backend shows the program it starts (the helper); the worker's own
                 // program is now an argument, so it is shown as an input.
                 command = command.input(&self.command.program);
-                AgentCommand::new(helper.display().to_string()).args([self
-                    .command
-                    .program
-                    .display()
-                    .to_string()])
+                // Outside a mount namespace the worker also reaches the storage at its host
+                // mount point, beside its working directory.
+                AgentCommand::new(helper.display().to_string())
+                    .args([format!("--storage-alias=../{}", crate::storage::VOLUME_DIR)])
+                    .args([self.command.program.display().to_string()])
             }
             None => AgentCommand::new(self.command.program.display().to_string()),
         };

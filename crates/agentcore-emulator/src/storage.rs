@@ -81,6 +81,9 @@ pub struct StorageEnforcement {
     pub refuse_special_files: bool,
 }
 
+/// The name of the storage's host directory, beside the worker's working directory.
+pub(crate) const VOLUME_DIR: &str = "agentcore-storage";
+
 /// The storage of one session: its host paths.
 #[derive(Debug, Clone)]
 pub(crate) struct SessionPaths {
@@ -99,7 +102,7 @@ impl SessionPaths {
     /// Where the storage lives on the host: the image's mount point (or a plain directory
     /// without a cap).
     pub(crate) fn volume(&self) -> PathBuf {
-        self.base.join("agentcore-storage")
+        self.base.join(VOLUME_DIR)
     }
 }
 

@@ -12,10 +12,11 @@ use agentcore_emulator::{
 use common::*;
 use serde_json::{json, Value};
 
-/// ENOSPC, EPERM and EOPNOTSUPP on Linux.
+/// ENOSPC, EPERM, EOPNOTSUPP and EACCES on Linux.
 const ENOSPC: i64 = 28;
 const EPERM: i64 = 1;
 const EOPNOTSUPP: i64 = 95;
+const EACCES: i64 = 13;
 
 /// The cap the tests use: small enough to fill quickly.
 const TEST_CAP: u64 = 8 * 1024 * 1024;
@@ -99,8 +100,11 @@ async fn hard_links_fifos_sockets_xattrs_and_fallocate_are_refused() {
     let session = session_id("refusals");
     let probe = invoke_json(&sdk, &emulator, &session, json!({"op": "probe"})).await;
     assert_eq!(errno(&probe, "hard_link"), EPERM, "{probe}");
-    assert_eq!(errno(&probe, "fifo"), EPERM, "{probe}");
-    assert_eq!(errno(&probe, "socket"), EPERM, "{probe}");
+    // Landlock refuses making them on the storage alone.
+    assert_eq!(errno(&probe, "fifo"), EACCES, "{probe}");
+    assert_eq!(errno(&probe, "socket"), EACCES, "{probe}");
+    assert_eq!(errno(&probe, "socket_elsewhere"), 0, "{probe}");
+    assert_eq!(errno(&probe, "fifo_elsewhere"), 0, "{probe}");
     assert_eq!(errno(&probe, "xattr"), EOPNOTSUPP, "{probe}");
     assert_eq!(errno(&probe, "fallocate"), EOPNOTSUPP, "{probe}");
     // What the storage is not reported to refuse keeps working.
@@ -163,48 +167,66 @@ async fn the_limits_hold_in_every_sandbox_mode() {
     for mode in modes {
         let root = tempfile::tempdir().expect("root");
         let emulator = storage_emulator_in(root.path(), mode).await;
-        let sdk = client(&emulator);
-        let session = session_id("modes");
-        let filled = invoke_json(
-            &sdk,
-            &emulator,
-            &session,
-            json!({"op": "fill", "bytes": 2 * TEST_CAP}),
-        )
-        .await;
-        assert_eq!(errno(&filled, "errno"), ENOSPC, "{mode:?}: {filled}");
-        let probe = invoke_json(&sdk, &emulator, &session, json!({"op": "probe"})).await;
-        assert_eq!(errno(&probe, "hard_link"), EPERM, "{mode:?}: {probe}");
-        assert!(
-            emulator.stop_session(&session).await.expect("stop"),
-            "was running"
-        );
-        let startup = invoke_json(&sdk, &emulator, &session, json!({"op": "startup"})).await;
-        let seen = startup["entries"]
-            .as_array()
-            .expect("entries")
-            .iter()
-            .any(|name| name == "fill");
-        assert_eq!(
-            seen,
-            mode == SandboxMode::Landlock,
-            "{mode:?}: start-up saw {startup}"
-        );
-        let storage = emulator
-            .session_storage(&session)
-            .await
-            .expect("storage on the host");
-        assert!(
-            storage.join("fill").is_file(),
-            "{mode:?}: the worker wrote elsewhere than the storage"
-        );
+        // Checked first, asserted after the shutdown: a worker outside a pid namespace would
+        // outlive an emulator dropped by a failing assertion.
+        let wrong = limits_in(&emulator, mode).await;
         emulator.shutdown().await.expect("shutdown");
+        assert_eq!(wrong, Vec::<String>::new(), "{mode:?}");
         assert_eq!(
             left_behind(root.path()).await,
             (Vec::new(), Vec::new()),
             "{mode:?}"
         );
     }
+}
+
+/// What differs from the limits in a session of `emulator`, whose workers run in `mode`.
+async fn limits_in(emulator: &Emulator, mode: SandboxMode) -> Vec<String> {
+    let mut wrong = Vec::new();
+    let mut expect = |what: &str, got: i64, want: i64, answer: &Value| {
+        if got != want {
+            wrong.push(format!("{what}: {got}, not {want}: {answer}"));
+        }
+    };
+    let sdk = client(emulator);
+    let session = session_id("modes");
+    let filled = invoke_json(
+        &sdk,
+        emulator,
+        &session,
+        json!({"op": "fill", "bytes": 2 * TEST_CAP}),
+    )
+    .await;
+    expect("fill", errno(&filled, "errno"), ENOSPC, &filled);
+    let probe = invoke_json(&sdk, emulator, &session, json!({"op": "probe"})).await;
+    expect("hard link", errno(&probe, "hard_link"), EPERM, &probe);
+    expect("socket", errno(&probe, "socket"), EACCES, &probe);
+    // Under Landlock the worker cannot list the directories on the way to its storage, so
+    // nothing beside them is granted: sockets are refused everywhere (stricter, not looser).
+    let elsewhere = if mode == SandboxMode::Landlock { EACCES } else { 0 };
+    expect(
+        "socket elsewhere",
+        errno(&probe, "socket_elsewhere"),
+        elsewhere,
+        &probe,
+    );
+    match emulator.stop_session(&session).await {
+        Ok(true) => {}
+        other => wrong.push(format!("stop: {other:?}")),
+    }
+    // Under Landlock the storage cannot come after the worker started.
+    let startup = invoke_json(&sdk, emulator, &session, json!({"op": "startup"})).await;
+    let seen = startup["entries"]
+        .as_array()
+        .is_some_and(|entries| entries.iter().any(|name| name == "fill"));
+    if seen != (mode == SandboxMode::Landlock) {
+        wrong.push(format!("start-up saw {startup}"));
+    }
+    match emulator.session_storage(&session).await {
+        Some(storage) if storage.join("fill").is_file() => {}
+        other => wrong.push(format!("the worker wrote elsewhere than the storage ({other:?})")),
+    }
+    wrong
 }
 
 /// Mounts whose source or target lies under `root` (none may outlive the emulator).
