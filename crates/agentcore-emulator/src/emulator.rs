@@ -20,6 +20,7 @@ use crate::lifecycle::{self, Lifecycle};
 use crate::local::{LocalLauncher, WorkerCommand};
 use crate::server::{self, Quotas, Shared};
 use crate::sessions::Sessions;
+use crate::storage::StorageLimits;
 use crate::websocket::WebSocketLimits;
 use crate::worker::{SandboxReport, SessionKey, WorkerLauncher};
 
@@ -55,6 +56,7 @@ pub struct EmulatorBuilder {
     max_active_sessions: usize,
     stop_latency: Duration,
     chunk_invocation_bodies: bool,
+    storage: StorageLimits,
 }
 
 /// AgentCore's quota of `InvokeAgentRuntime` calls (WebSocket upgrades included) per second
@@ -165,6 +167,16 @@ impl EmulatorBuilder {
         self
     }
 
+    /// Session storage limits of the default [`LocalLauncher`] (default
+    /// [`StorageLimits::default`]: AgentCore's reported 1 GB cap, no hard links, FIFOs, UNIX
+    /// sockets, xattrs or `fallocate`, absent while a worker starts). A launcher given with
+    /// [`launcher`](Self::launcher) keeps its own
+    /// ([`LocalLauncherBuilder::storage_limits`](crate::LocalLauncherBuilder::storage_limits)).
+    pub fn storage_limits(mut self, limits: StorageLimits) -> Self {
+        self.storage = limits;
+        self
+    }
+
     /// Runs workers with the default [`LocalLauncher`] (sandbox `auto`, falling back to plain
     /// processes; storage under a fresh temporary root) running `command`.
     pub fn worker_command(mut self, command: WorkerCommand) -> Self {
@@ -236,7 +248,11 @@ impl EmulatorBuilder {
         self.check()?;
         let launcher: Arc<dyn WorkerLauncher> = match self.workers {
             Some(Workers::Launcher(launcher)) => launcher,
-            Some(Workers::Command(command)) => Arc::new(LocalLauncher::builder(command).build()?),
+            Some(Workers::Command(command)) => Arc::new(
+                LocalLauncher::builder(command)
+                    .storage_limits(self.storage)
+                    .build()?,
+            ),
             None => {
                 return Err(EmulatorError::InvalidConfig {
                     key: "worker_command",
@@ -316,6 +332,7 @@ impl Emulator {
             max_active_sessions: DEFAULT_MAX_ACTIVE_SESSIONS,
             stop_latency: DEFAULT_STOP_LATENCY,
             chunk_invocation_bodies: false,
+            storage: StorageLimits::default(),
         }
     }
 
@@ -488,5 +505,6 @@ impl Emulator {
 impl Drop for Emulator {
     fn drop(&mut self) {
         self.shared.shutdown.cancel();
+        self.shared.sessions.launcher().release();
     }
 }

@@ -87,12 +87,44 @@
 //! makes each runtime session a session of the local backend (`runtime-local`): sandbox `auto`
 //! (bubblewrap, else Landlock, else plain processes: [`Emulator::sandbox`] says which), `network
 //! = host` so the relay's loopback port is reachable, the local session's workspace as the
-//! session storage and the worker's working directory ([`Emulator::session_storage`] gives its
-//! host path), the agent binary bound read-only. Stop, idle timeout and lifetime end suspend the
+//! worker's working directory, where the session storage appears (see
+//! [Session storage](#session-storage); [`Emulator::session_storage`] gives its host path), the
+//! agent binary bound read-only. Stop, idle timeout and lifetime end suspend the
 //! local session; storage expiry and [`Emulator::bump_runtime_version`] close it (its storage is
 //! deleted). A worker is anything that prints `oab-relay: listening on http 127.0.0.1:PORT` and
 //! then serves `GET /ping`, `GET /ws` and `POST /invocations` there ([`WorkerCommand::new`] for
 //! another program, or a [`WorkerLauncher`] of your own for in-process workers).
+//!
+//! # Session storage
+//!
+//! [`StorageLimits`] (set with [`EmulatorBuilder::storage_limits`] or
+//! [`LocalLauncherBuilder::storage_limits`]) are AgentCore's reported limits, enforced by the
+//! kernel on the worker itself, not checked in the emulator's code:
+//!
+//! | limit (default) | mechanism |
+//! |---|---|
+//! | 1 GB (1 GiB) per session: writes beyond fail with `ENOSPC` | the storage is an ext4 file system of that size: a sparse image per session (`mkfs.ext4`, no journal, no reserved blocks; about 990 MiB of a 1 GiB image hold files, the rest is ext4's metadata) in the local session's directory, loop-mounted on the host while the launcher lives |
+//! | absent while the worker starts | the worker's working directory is a mount point of its own until the worker has announced its port; the storage is bound onto it (and propagates into the sandbox) just before the first request is forwarded, and unmounted at every stop: during start-up the worker sees an empty directory whose writes the storage later hides |
+//! | no hard links, FIFOs, UNIX sockets, xattrs or `fallocate` | `oab-storage-rules` execs the worker under a Landlock ruleset that refuses making sockets and FIFOs on the storage alone (`EACCES`), and seccomp filters: `link`/`linkat` get `EPERM`, setting or removing an xattr and `fallocate` get `EOPNOTSUPP`, in every directory ([`storage_rules`]) |
+//!
+//! Why these: a loop-mounted image makes the cap a real file system's `ENOSPC` for any program;
+//! no stock file system has exactly the reported refusals (vfat refuses links, FIFOs, sockets
+//! and xattrs but also symbolic links, permissions and names with `:`, and allows `fallocate`;
+//! a size-limited tmpfs allows all five and lives in memory), and a FUSE file system of our own
+//! would be much more code on the data path. Landlock is path-aware, so a socket or FIFO in
+//! `/tmp` or HOME still works (except under the local backend's Landlock mode, where the worker
+//! cannot list the directories it would need to grant); a seccomp filter sees call numbers, not
+//! paths, so hard links, xattrs and `fallocate` are refused in every directory the worker
+//! writes (its HOME and `/tmp` too, which in the emulator are local session storage as well):
+//! stricter than the service, never looser.
+//!
+//! The mounts need root, `mount` and `mkfs.ext4` (e2fsprogs); without them the launcher warns
+//! and [`LocalLauncher::storage_enforcement`] says which limits hold. The refusals need the
+//! `oab-storage-rules` binary of this crate (found next to the running executable or one
+//! directory up, or given with [`LocalLauncherBuilder::storage_rules_helper`]). A stop, a
+//! storage reset, [`Emulator::shutdown`] and dropping the launcher unmount what it mounted
+//! (dropping lazily, so nothing stays in the mount table; each loop device is freed with its
+//! last user). [`Emulator::session_storage`] is the image's host mount point.
 //!
 //! # Lifecycle
 //!
@@ -137,8 +169,9 @@
 //! - microVM isolation: workers are processes under the local sandbox, with the host's network.
 //! - The 15-minute cap on synchronous invocations, payload and chunk size limits other than a
 //!   100 MB request body, cold-start latency, the control plane's quotas.
-//! - Session storage's reported limits (1 GB, no hard links, FIFOs, UNIX sockets, xattrs or
-//!   `fallocate`, absent until the first invocation): the storage is a plain host directory.
+//! - Session storage's durability (everything written is kept, crash or not) and its 14-day
+//!   expiry beyond the configured clock; its refusals hold for the whole worker, not only on the
+//!   storage (see [Session storage](#session-storage)).
 //! - TLS: plain `http://` and `ws://` only.
 //! - The service's exact answer for a stopped session (404 here), and whether WebSocket frames
 //!   count as activity (not documented; not here unless the flag says so).
@@ -156,6 +189,8 @@ mod proxy;
 mod server;
 mod sessions;
 mod sigv4;
+mod storage;
+pub mod storage_rules;
 mod websocket;
 mod worker;
 
@@ -169,9 +204,10 @@ pub use error::{EmulatorError, ErrorKind, ServiceError, WorkerError};
 pub use faults::{Fault, Operation, RequestRecord};
 pub use iam::{IamPolicy, PolicyError};
 pub use lifecycle::Lifecycle;
-pub use local::{LocalLauncher, LocalLauncherBuilder, WorkerCommand};
+pub use local::{LocalLauncher, LocalLauncherBuilder, WorkerCommand, STORAGE_RULES_HELPER};
 pub use session_runtime::config::SandboxMode;
 pub use session_runtime::IsolationLevel;
+pub use storage::{StorageEnforcement, StorageLimits};
 pub use websocket::WebSocketLimits;
 pub use worker::{
     read_announcement, RunningWorker, SandboxReport, SessionKey, WorkerLauncher, ANNOUNCEMENT_PREFIX,

@@ -30,6 +30,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::BufReader;
 
 use crate::error::{EmulatorError, WorkerError};
+use crate::storage::{SessionPaths, StorageEnforcement, StorageLimits, StorageMounts};
 use crate::worker::{read_announcement, RunningWorker, SandboxReport, SessionKey, WorkerLauncher};
 
 /// The installation name of the local sessions the launcher creates.
@@ -128,9 +129,29 @@ pub struct LocalLauncherBuilder {
     fall_back_to_none: bool,
     start_timeout: Duration,
     terminate_grace: Duration,
+    storage: StorageLimits,
+    rules_helper: Option<PathBuf>,
 }
 
+/// The name of the program that puts the storage rules' seccomp filters in front of a worker.
+pub const STORAGE_RULES_HELPER: &str = "oab-storage-rules";
+
 impl LocalLauncherBuilder {
+    /// Session storage limits (default [`StorageLimits::default`]: AgentCore's reported 1 GB
+    /// cap, refusals and start-up absence). See [`crate::storage_rules`] and the crate docs for
+    /// how each is enforced.
+    pub fn storage_limits(mut self, limits: StorageLimits) -> Self {
+        self.storage = limits;
+        self
+    }
+
+    /// The `oab-storage-rules` binary that enforces the refusals (default: the one next to this
+    /// process's executable or in its parent directory, as cargo lays out binaries and tests).
+    pub fn storage_rules_helper(mut self, helper: impl Into<PathBuf>) -> Self {
+        self.rules_helper = Some(helper.into());
+        self
+    }
+
     /// Where session storage lives (the local backend's root; must be private to this user).
     /// Default: a fresh directory under the system's temporary directory, removed when the
     /// launcher is dropped.
@@ -176,14 +197,39 @@ impl LocalLauncherBuilder {
             Some(root) => (root.clone(), false),
             None => (fresh_root().map_err(EmulatorError::Bind)?, true),
         };
-        let mut agent = AgentCommand::new(self.command.program.display().to_string())
+        let helper = if self.storage.refuse_special_files {
+            let helper = self.rules_helper.clone().or_else(default_rules_helper);
+            if helper.is_none() {
+                tracing::warn!(
+                    "no {STORAGE_RULES_HELPER} found: session storage refusals (hard links, FIFOs, UNIX \
+                     sockets, xattrs, fallocate) are not enforced"
+                );
+            }
+            helper
+        } else {
+            None
+        };
+        let mut command = self.command.clone();
+        let mut agent = match &helper {
+            Some(helper) => {
+                // The local backend shows the program it starts (the helper); the worker's own
+                // program is now an argument, so it is shown as an input.
+                command = command.input(&self.command.program);
+                // Outside a mount namespace the worker also reaches the storage at its host
+                // mount point, beside its working directory.
+                AgentCommand::new(helper.display().to_string())
+                    .args([format!("--storage-alias=../{}", crate::storage::VOLUME_DIR)])
+                    .args([self.command.program.display().to_string()])
+            }
+            None => AgentCommand::new(self.command.program.display().to_string()),
+        };
+        agent = agent
             .args(self.command.args.iter().cloned())
             .inherit_env("OAB_RELAY_LOG");
         for (key, value) in &self.command.env {
             agent = agent.env(key, value);
         }
-        let inputs = self
-            .command
+        let inputs = command
             .inputs
             .iter()
             .map(|path| ReadonlyMount::new(path, path))
@@ -222,8 +268,26 @@ impl LocalLauncherBuilder {
                 mechanism: mechanism.into(),
             },
             start_timeout: self.start_timeout,
+            storage: Arc::new(StorageMounts::new(
+                self.storage,
+                helper.is_some(),
+                isolation != IsolationLevel::AccessControl,
+            )),
         })
     }
+}
+
+/// `oab-storage-rules` next to this process's executable, or one directory up (a test binary in
+/// `target/<profile>/deps` finds the one in `target/<profile>`).
+fn default_rules_helper() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let found = [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .map(|dir| dir.join(STORAGE_RULES_HELPER))
+        .find(|candidate| candidate.is_file());
+    found
 }
 
 fn invalid(key: &'static str, error: RuntimeError) -> EmulatorError {
@@ -258,6 +322,7 @@ pub struct LocalLauncher {
     owned_root: bool,
     report: SandboxReport,
     start_timeout: Duration,
+    storage: Arc<StorageMounts>,
 }
 
 impl LocalLauncher {
@@ -270,7 +335,25 @@ impl LocalLauncher {
             fall_back_to_none: true,
             start_timeout: Duration::from_secs(30),
             terminate_grace: Duration::from_secs(1),
+            storage: StorageLimits::default(),
+            rules_helper: None,
         }
+    }
+
+    /// Which storage limits hold on this host.
+    pub fn storage_enforcement(&self) -> StorageEnforcement {
+        self.storage.enforced()
+    }
+
+    /// The host paths of `id`'s storage, once the local session exists.
+    async fn paths(&self, id: &SessionId) -> Option<SessionPaths> {
+        let status = self.runtime.status(id).await.ok()?;
+        // The local backend's layout: `root/<id>/workspace` is the agent's working directory.
+        let base = PathBuf::from(status.storage_refs.first()?);
+        Some(SessionPaths {
+            workspace: base.join("workspace"),
+            base,
+        })
     }
 
     /// The local backend's root directory.
@@ -291,6 +374,7 @@ impl LocalLauncher {
 
 impl Drop for LocalLauncher {
     fn drop(&mut self) {
+        self.storage.release_all();
         if self.owned_root {
             // Best effort: the directory was made by this launcher and holds only its sessions.
             let _ = std::fs::remove_dir_all(&self.root);
@@ -311,18 +395,33 @@ impl WorkerLauncher for LocalLauncher {
             .create(&identity, &CreateOptions::new())
             .await
             .map_err(|e| WorkerError::Start(e.to_string()))?;
-        let attachment = self
-            .runtime
-            .attach(&id)
+        let paths = self
+            .paths(&id)
             .await
-            .map_err(|e| WorkerError::Start(e.to_string()))?;
+            .ok_or_else(|| WorkerError::Start("the local session has no storage".into()))?;
+        if let Err(error) = self.storage.before_start(&paths).await {
+            let _ = self.storage.after_stop(&paths).await;
+            return Err(error);
+        }
+        let attachment = match self.runtime.attach(&id).await {
+            Ok(attachment) => attachment,
+            Err(error) => {
+                let _ = self.storage.after_stop(&paths).await;
+                return Err(WorkerError::Start(error.to_string()));
+            }
+        };
         let (output, input, control) = attachment.into_split();
         let mut output = BufReader::new(output);
-        let addr = match read_announcement(&mut output, self.start_timeout).await {
+        let announced = match read_announcement(&mut output, self.start_timeout).await {
+            Ok(addr) => self.storage.after_announce(&paths).await.map(|()| addr),
+            Err(error) => Err(error),
+        };
+        let addr = match announced {
             Ok(addr) => addr,
             Err(error) => {
-                // Do not leave a worker that never announced running.
+                // Do not leave a worker that never announced (or never got its storage) running.
                 let _ = self.runtime.suspend(&id, SuspendReason::Hung).await;
+                let _ = self.storage.after_stop(&paths).await;
                 return Err(error);
             }
         };
@@ -333,6 +432,8 @@ impl WorkerLauncher for LocalLauncher {
         tracing::debug!(session = %id, %addr, sandbox = %self.report, "emulated session worker started");
         Ok(Box::new(LocalWorker {
             runtime: Arc::clone(&self.runtime),
+            storage: Arc::clone(&self.storage),
+            paths,
             id,
             addr,
             _input: input,
@@ -342,20 +443,28 @@ impl WorkerLauncher for LocalLauncher {
     }
 
     async fn storage_path(&self, key: &SessionKey) -> Option<PathBuf> {
-        let id = Self::identity(key).ok()?.id();
-        let status = self.runtime.status(&id).await.ok()?;
-        // The local backend's layout: `root/<id>/workspace` is the agent's working directory.
-        let base = PathBuf::from(status.storage_refs.first()?);
-        let workspace = base.join("workspace");
-        workspace.is_dir().then_some(workspace)
+        let paths = self.paths(&Self::identity(key).ok()?.id()).await?;
+        let storage = if self.storage.separate() {
+            paths.volume()
+        } else {
+            paths.workspace
+        };
+        storage.is_dir().then_some(storage)
     }
 
     async fn reset_storage(&self, key: &SessionKey) -> Result<(), WorkerError> {
         let id = Self::identity(key)?.id();
+        if let Some(paths) = self.paths(&id).await {
+            self.storage.release(&paths).await?;
+        }
         match self.runtime.close(&id, CloseReason::Reset).await {
             Ok(()) | Err(RuntimeError::NotFound { .. }) => Ok(()),
             Err(error) => Err(WorkerError::Stop(error.to_string())),
         }
+    }
+
+    fn release(&self) {
+        self.storage.release_all();
     }
 }
 
@@ -363,6 +472,8 @@ impl WorkerLauncher for LocalLauncher {
 #[derive(Debug)]
 struct LocalWorker {
     runtime: Arc<LocalRuntime>,
+    storage: Arc<StorageMounts>,
+    paths: SessionPaths,
     id: SessionId,
     addr: SocketAddr,
     /// Held so the worker's stdin stays open for as long as it runs.
@@ -380,6 +491,9 @@ impl RunningWorker for LocalWorker {
     async fn stop(self: Box<Self>) -> Result<(), WorkerError> {
         let stopped = self.runtime.suspend(&self.id, SuspendReason::Idle).await;
         self.drain.abort();
-        stopped.map_err(|e| WorkerError::Stop(e.to_string()))
+        // The storage goes with the microVM, once its processes are gone.
+        let unmounted = self.storage.after_stop(&self.paths).await;
+        stopped.map_err(|e| WorkerError::Stop(e.to_string()))?;
+        unmounted
     }
 }

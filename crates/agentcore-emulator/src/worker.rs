@@ -87,6 +87,12 @@ pub trait WorkerLauncher: fmt::Debug + Send + Sync + 'static {
     /// # Errors
     /// [`WorkerError::Stop`] if the storage could not be removed.
     async fn reset_storage(&self, key: &SessionKey) -> Result<(), WorkerError>;
+
+    /// Lets go of what the launcher holds on the host for session storage (mounts), now: the
+    /// emulator was dropped. The launcher itself may be dropped later (the emulator's tasks hold
+    /// it until they end), after the caller already removed the directory the storage was in.
+    /// Default: nothing.
+    fn release(&self) {}
 }
 
 /// One running worker.

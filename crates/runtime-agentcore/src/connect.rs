@@ -22,6 +22,7 @@ use worker_relay::{Connector, Refusal, Transport};
 
 use crate::control::Aws;
 use crate::errors::Failure;
+use crate::trust::TrustRoots;
 
 /// The SigV4 signing name of AgentCore's data plane.
 const SIGNING_NAME: &str = "bedrock-agentcore";
@@ -204,24 +205,17 @@ fn upgrade_failure(error: WsError) -> io::Error {
     }
 }
 
-/// TLS for `wss://`: the system's roots, aws-lc-rs (the provider the AWS SDK uses).
-fn tls_connector() -> Result<tokio_rustls::TlsConnector, String> {
+/// TLS for `wss://`: aws-lc-rs (the provider the AWS SDK uses) and the roots of
+/// [`TrustRoots`] (the system's, else the compiled-in ones).
+pub(crate) fn tls_connector() -> Result<tokio_rustls::TlsConnector, String> {
     static CONNECTOR: OnceLock<Result<tokio_rustls::TlsConnector, String>> = OnceLock::new();
     CONNECTOR
         .get_or_init(|| {
-            let mut roots = rustls::RootCertStore::empty();
-            let loaded = rustls_native_certs::load_native_certs();
-            for cert in loaded.certs {
-                let _ = roots.add(cert);
-            }
-            if roots.is_empty() {
-                return Err("no trusted root certificates were found on this system".into());
-            }
             let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
             let config = rustls::ClientConfig::builder_with_provider(provider)
                 .with_safe_default_protocol_versions()
                 .map_err(|error| format!("TLS: {error}"))?
-                .with_root_certificates(roots)
+                .with_root_certificates(TrustRoots::get().root_store())
                 .with_no_client_auth();
             Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
         })

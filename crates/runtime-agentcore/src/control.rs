@@ -15,6 +15,7 @@ use session_runtime::config::AgentCoreConfig;
 use tokio::sync::Mutex;
 
 use crate::errors::{Failure, Kind};
+use crate::trust::TrustRoots;
 
 /// How many attempts an idempotent control call gets.
 const CONTROL_ATTEMPTS: u32 = 3;
@@ -44,6 +45,28 @@ pub(crate) struct Aws {
     pub(crate) endpoint: String,
 }
 
+/// The SDK's HTTPS client (hyper 1, rustls with aws-lc-rs: what its `default-https-client`
+/// builds) trusting [`TrustRoots`] instead of loading the system's roots on its own, so that an
+/// image without a CA bundle still reaches AWS. Also used by the credential providers the
+/// loader builds (STS, SSO, container and instance metadata).
+pub(crate) fn https_client() -> aws_smithy_runtime_api::client::http::SharedHttpClient {
+    use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode, TlsContext};
+    let context = TlsContext::builder()
+        .with_trust_store(TrustRoots::get().sdk_trust_store())
+        .build();
+    let builder =
+        aws_smithy_http_client::Builder::new().tls_provider(tls::Provider::Rustls(CryptoMode::AwsLc));
+    match context {
+        Ok(context) => builder.tls_context(context).build_https(),
+        Err(error) => {
+            // Building a context cannot fail in this version; if a later one can, keep the
+            // SDK's own trust store rather than no client.
+            tracing::warn!(%error, "the SDK's TLS context: falling back to its default trust store");
+            builder.build_https()
+        }
+    }
+}
+
 /// The outcome of `StopRuntimeSession`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stopped {
@@ -65,6 +88,7 @@ impl Aws {
         if let Some(credentials) = credentials {
             loader = loader.credentials_provider(credentials);
         }
+        loader = loader.http_client(https_client());
         let shared = loader.load().await;
         let endpoint = match &config.endpoint_url {
             Some(url) => url.trim_end_matches('/').to_owned(),

@@ -21,6 +21,7 @@ mod errors;
 mod key;
 pub mod record;
 mod runtime;
+mod trust;
 
 pub use record::{FileRecordStore, RecordStore, SessionRecord, StoreError};
 pub use runtime::{

@@ -70,6 +70,10 @@ async fn create_provisions_nothing_remote_and_attach_reaches_the_agent() {
     );
     let status = harness.runtime.status(&handle.id).await.expect("status");
     assert_eq!(status.state, SessionState::Running);
+    // The relay's generation floor is on the session storage, written (and synced) under the
+    // storage's limits: the emulator's 1 GiB ext4 and its refusals of links and fallocate.
+    let floor = std::fs::read_to_string(storage.join(".oab-relay/generation")).expect("the generation floor");
+    assert_eq!(floor.trim(), "1");
     harness.emulator.shutdown().await.expect("stop");
 }
 

@@ -125,6 +125,7 @@ pub fn worker_launcher(root: &Path, mode: SandboxMode) -> LocalLauncher {
     LocalLauncher::builder(WorkerCommand::new(test_worker()))
         .root(root)
         .sandbox(mode)
+        .storage_rules_helper(env!("CARGO_BIN_EXE_oab-storage-rules"))
         .build()
         .expect("launcher")
 }

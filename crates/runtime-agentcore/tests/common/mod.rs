@@ -10,8 +10,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use agentcore_emulator::{
-    Emulator, EmulatorBuilder, IamPolicy, LocalLauncher, Operation, TestCredentials, WorkerCommand,
-    DEFAULT_RUNTIME_ID,
+    Emulator, EmulatorBuilder, IamPolicy, LocalLauncher, Operation, StorageEnforcement, TestCredentials,
+    WorkerCommand, DEFAULT_RUNTIME_ID,
 };
 use aws_credential_types::provider::SharedCredentialsProvider;
 use aws_credential_types::Credentials;
@@ -100,8 +100,19 @@ pub async fn start_with(tweak: impl FnOnce(Setup) -> Setup + Send) -> Harness {
     // A worker that silently ran unsandboxed would make the isolation suite prove nothing.
     let launcher = LocalLauncher::builder(setup.worker)
         .require_sandbox(true)
+        .storage_rules_helper(storage_rules())
         .build()
         .expect("the emulator's workers need a working sandbox: install bubblewrap");
+    // So would a session storage without AgentCore's limits make the suites prove less.
+    assert_eq!(
+        launcher.storage_enforcement(),
+        StorageEnforcement {
+            size_cap: true,
+            absent_during_startup: true,
+            refuse_special_files: true,
+        },
+        "the emulator enforces session storage limits as root, with mount and mkfs.ext4"
+    );
     let emulator = setup
         .emulator
         .launcher(launcher)
@@ -204,19 +215,36 @@ pub fn relay_and_agent() -> (PathBuf, PathBuf) {
             let mut build = Command::new(cargo);
             build
                 .args(["build", "--quiet", "-p", "worker-relay", "--bin", "oab-relay"])
-                .args(["-p", "acp-test-agent", "--bin", "acp-test-agent", "--target-dir"])
+                .args(["-p", "acp-test-agent", "--bin", "acp-test-agent"])
+                .args([
+                    "-p",
+                    "agentcore-emulator",
+                    "--bin",
+                    "oab-storage-rules",
+                    "--target-dir",
+                ])
                 .arg(&target);
             if profile.file_name().is_some_and(|name| name == "release") {
                 build.arg("--release");
             }
             let status = build.status().expect("run cargo build");
-            assert!(status.success(), "building oab-relay and acp-test-agent failed");
+            assert!(
+                status.success(),
+                "building oab-relay, acp-test-agent and oab-storage-rules failed"
+            );
             (
                 outside_tmp(&profile.join("oab-relay")),
                 outside_tmp(&profile.join("acp-test-agent")),
             )
         })
         .clone()
+}
+
+/// `oab-storage-rules` of this workspace (built with the relay), which puts the session
+/// storage's refusals in front of every emulated worker.
+pub fn storage_rules() -> PathBuf {
+    relay_and_agent();
+    outside_tmp(&profile_dir().join("oab-storage-rules"))
 }
 
 /// `binary`, or a copy of it under `/var/tmp` when it lies under `/tmp` (the target directory of a
