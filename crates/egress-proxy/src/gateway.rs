@@ -162,7 +162,11 @@ impl Gateway {
                 self.refused(&format!(
                     "the gateway has {MAX_GATEWAY_CONNECTIONS} connections open, its limit"
                 ));
-                continue;
+                // A connect flood costs at most one accept per pause.
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(bounds::REFUSAL_PAUSE) => continue,
+                }
             };
             let admission: Arc<dyn Admission> = Arc::clone(&self) as Arc<dyn Admission>;
             let stop = stop.clone();
@@ -248,7 +252,7 @@ impl Admission for Gateway {
         Ok(Admitted {
             allowlist: Arc::clone(allowlist),
             bounds,
-            slot: Some(Arc::new(slot)),
+            slot: Arc::new(slot),
         })
     }
 

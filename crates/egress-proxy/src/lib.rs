@@ -30,8 +30,8 @@ pub use proxy::serve_connection;
 
 /// Who a request to the proxy comes from: the session whose allowlist and bounds apply to it.
 pub trait Admission: Send + Sync + 'static {
-    /// The session `request` comes from, and its place among the session's connections if the
-    /// admission takes one per request, or why it is not served (`407` for a missing or wrong
+    /// The session `request` comes from and its place among the session's connections, or why
+    /// it is not served (`407` for a missing or wrong
     /// credential, `503` over the session's limits).
     ///
     /// # Errors
@@ -52,8 +52,8 @@ pub struct Admitted {
     /// The session's bounds and refusal log.
     pub bounds: std::sync::Arc<SessionBounds>,
     /// The request's place among the session's connections, held until it (or the tunnel it
-    /// became) ends; `None` when the caller holds one for the whole connection.
-    pub slot: Option<std::sync::Arc<ConnectionSlot>>,
+    /// became) ends.
+    pub slot: std::sync::Arc<ConnectionSlot>,
 }
 
 /// The admission of a proxy that serves one session only (its socket is the session's own):
@@ -86,7 +86,7 @@ impl Admission for OneSession {
         Ok(Admitted {
             allowlist: std::sync::Arc::clone(&self.allowlist),
             bounds: std::sync::Arc::clone(&self.bounds),
-            slot: Some(std::sync::Arc::clone(&self.slot)),
+            slot: std::sync::Arc::clone(&self.slot),
         })
     }
 

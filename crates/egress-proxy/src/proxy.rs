@@ -183,7 +183,7 @@ async fn connect(
 async fn tunnel(
     request: Request<Incoming>,
     mut upstream: TcpStream,
-    slot: Option<Arc<ConnectionSlot>>,
+    slot: Arc<ConnectionSlot>,
     stop: CancellationToken,
 ) {
     let _slot = slot;
