@@ -46,9 +46,31 @@ impl fmt::Debug for GatewayKey {
 }
 
 impl GatewayKey {
-    /// Wraps a secret key (use at least 32 random bytes).
+    /// The shortest key [`read`](Self::read) accepts, in bytes.
+    pub const MIN_LEN: usize = 32;
+
+    /// Wraps a secret key (use at least [`MIN_LEN`](Self::MIN_LEN) random bytes).
     pub fn new(key: impl Into<Vec<u8>>) -> Self {
         GatewayKey(key.into())
+    }
+
+    /// Reads the key from the file at `path`, which the gateway and the broker share.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the file when it cannot be read or holds fewer than
+    /// [`MIN_LEN`](Self::MIN_LEN) bytes.
+    pub fn read(path: &std::path::Path) -> Result<Self, String> {
+        match std::fs::read(path) {
+            Ok(key) if key.len() >= Self::MIN_LEN => Ok(GatewayKey(key)),
+            Ok(key) => Err(format!(
+                "{} holds {} bytes; the key must be at least {}",
+                path.display(),
+                key.len(),
+                Self::MIN_LEN
+            )),
+            Err(error) => Err(format!("cannot read {}: {error}", path.display())),
+        }
     }
 
     /// The proxy credential of session `id` under worker profile `profile`.

@@ -375,6 +375,11 @@ mod tests {
     use worker_relay::BrokerKey;
 
     fn pod_for(storage: &str) -> (SessionId, Pod) {
+        pod_with(storage, None)
+    }
+
+    /// A first worker of generation 3 on a claim, under a profile with `storage`, and `proxy`.
+    fn pod_with(storage: &str, proxy: Option<&str>) -> (SessionId, Pod) {
         let document = format!("image = \"w:1\"\nagent = [\"/agent\"]\n{storage}");
         let profile = WorkerProfile::from_toml("p", "1", &document).expect("a profile");
         let id = SessionIdentity::new("i", "a", "p", "t").expect("identity").id();
@@ -388,7 +393,7 @@ mod tests {
             anchor_uid: "uid",
             claim: Some("claim"),
             prepare: true,
-            proxy: None,
+            proxy,
         };
         (id, worker_pod(&profile, &spec))
     }
@@ -404,7 +409,7 @@ mod tests {
 
     #[test]
     fn a_worker_with_a_gateway_gets_its_proxy_and_one_without_gets_none() {
-        let (id, without) = pod_for("");
+        let (_, without) = pod_for("");
         let names: Vec<String> = env(&without).into_iter().map(|(name, _)| name).collect();
         assert!(
             !names
@@ -412,24 +417,8 @@ mod tests {
                 .any(|name| name.to_ascii_uppercase().contains("PROXY")),
             "{names:?}"
         );
-        let profile =
-            WorkerProfile::from_toml("p", "1", "image = \"w:1\"\nagent = [\"/agent\"]\n").expect("a profile");
-        let hash = BrokerKey::new(vec![7; 32]).token(id.as_str(), 3).hash();
         let url = "http://user:token@10.96.0.50:3128";
-        let with = worker_pod(
-            &profile,
-            &WorkerSpec {
-                id: &id,
-                installation: "i",
-                generation: 3,
-                incarnation: 1,
-                token_hash: &hash,
-                anchor_uid: "uid",
-                claim: Some("claim"),
-                prepare: true,
-                proxy: Some(url),
-            },
-        );
+        let (_, with) = pod_with("", Some(url));
         let env = env(&with);
         for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
             assert!(

@@ -300,29 +300,6 @@ impl KubernetesRuntimeBuilder {
     }
 }
 
-/// The shortest egress gateway key accepted, in bytes (the gateway refuses shorter ones too).
-const MIN_GATEWAY_KEY: usize = 32;
-
-/// Reads the egress gateway's key from `path` (the `egress_gateway_key_file` key).
-fn read_gateway_key(path: &std::path::Path) -> Result<GatewayKey> {
-    let key = "session_runtime.kubernetes.egress_gateway_key_file";
-    match std::fs::read(path) {
-        Ok(bytes) if bytes.len() >= MIN_GATEWAY_KEY => Ok(GatewayKey::new(bytes)),
-        Ok(bytes) => Err(Error::InvalidConfig {
-            key: key.into(),
-            reason: format!(
-                "{} holds {} bytes; the key must be at least {MIN_GATEWAY_KEY}",
-                path.display(),
-                bytes.len()
-            ),
-        }),
-        Err(error) => Err(Error::InvalidConfig {
-            key: key.into(),
-            reason: format!("cannot read {}: {error}", path.display()),
-        }),
-    }
-}
-
 fn random_key() -> Result<BrokerKey> {
     use std::io::Read;
     let mut bytes = [0u8; 32];
@@ -424,7 +401,12 @@ impl KubernetesRuntime {
         let egress_gateway_key = kubernetes
             .egress_gateway_key_file
             .as_deref()
-            .map(read_gateway_key)
+            .map(|path| {
+                GatewayKey::read(path).map_err(|reason| Error::InvalidConfig {
+                    key: "session_runtime.kubernetes.egress_gateway_key_file".into(),
+                    reason,
+                })
+            })
             .transpose()?;
         let mut builder = KubernetesRuntimeBuilder {
             client: None,

@@ -22,9 +22,6 @@ use egress_proxy::gateway::{load_profiles, Gateway, GatewayKey};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-/// The shortest key accepted, in bytes.
-const MIN_KEY: usize = 32;
-
 #[derive(Debug, Parser)]
 #[command(
     name = "oab-egress-gateway",
@@ -51,18 +48,10 @@ fn main() -> ExitCode {
         .with_ansi(false)
         .init();
     let args = Args::parse();
-    let key = match std::fs::read(&args.key_file) {
-        Ok(key) if key.len() >= MIN_KEY => GatewayKey::new(key),
-        Ok(key) => {
-            eprintln!(
-                "oab-egress-gateway: {}: the key is {} bytes; at least {MIN_KEY} are needed",
-                args.key_file.display(),
-                key.len()
-            );
-            return ExitCode::from(2);
-        }
+    let key = match GatewayKey::read(&args.key_file) {
+        Ok(key) => key,
         Err(error) => {
-            eprintln!("oab-egress-gateway: {}: {error}", args.key_file.display());
+            eprintln!("oab-egress-gateway: {error}");
             return ExitCode::from(2);
         }
     };
