@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use egress_proxy::gateway::{profile_allowlist, Gateway, GatewayKey};
+use egress_proxy::gateway::{profile_egress, Gateway, GatewayKey};
 use session_runtime::SessionIdentity;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -117,12 +117,19 @@ fn bench(c: &mut Criterion) {
         let document = format!("egress_hosts = [\"{destination} loopback\"]\n");
         let profiles: HashMap<_, _> = [(
             "work".to_owned(),
-            profile_allowlist("work", &document).expect("a profile"),
+            profile_egress("work", &document).expect("a profile"),
         )]
         .into();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let gateway = listener.local_addr().expect("address");
-        tokio::spawn(Arc::new(Gateway::new(key.clone(), profiles)).serve(listener, stop.clone()));
+        tokio::spawn(
+            Arc::new(Gateway::new(
+                key.clone(),
+                profiles,
+                std::path::Path::new("/nonexistent"),
+            ))
+            .serve(listener, stop.clone()),
+        );
         (destination, gateway)
     });
     let id = SessionIdentity::new("bench", "agent", "gateway", "one")

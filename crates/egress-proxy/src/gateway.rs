@@ -8,6 +8,10 @@
 //! the key (not the broker's relay key: a gateway that leaks it opens no relay) and each
 //! profile's allowlist, so a worker can name neither another session nor another profile's
 //! destinations: either changes the token it would need.
+//!
+//! A profile's model routes ([`crate::routes`]) are served on the gateway's own paths: there the
+//! same credential is the agent's API key ([`ProxyCredential::route_key`]), sent in the route's
+//! credential header, and the gateway sends the route's Secret in its place.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -27,13 +31,16 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::bounds::{self, SessionBounds};
-use crate::{Admission, Admitted, Allowlist, Refusal};
+use crate::routes::{check_routes, ModelRoute, Upstream};
+use crate::{Admission, Admitted, Allowlist, LogSafe, Refusal};
 
 /// Connections the gateway holds at once over all sessions (each session also has its own
 /// [`bounds::MAX_CONNECTIONS`]): one more is answered `503` and closed.
 pub const MAX_GATEWAY_CONNECTIONS: usize = 4096;
 /// How long a session with no open connection keeps its bounds (its refusal log's state).
 const IDLE_SESSION: Duration = Duration::from_secs(600);
+/// Where the gateway's Pod mounts the Secrets of its model routes, one directory per Secret.
+pub const DEFAULT_SECRETS_DIR: &str = "/etc/oab-gateway/secrets";
 
 /// The gateway's secret for proxy credentials. Its `Debug` output never shows it.
 #[derive(Clone)]
@@ -118,11 +125,53 @@ impl ProxyCredential {
 
     /// The `Proxy-Authorization` header value a client sends for it.
     pub fn header_value(&self) -> String {
-        format!(
-            "Basic {}",
-            BASE64.encode(format!("{}:{}", self.user, self.token).as_bytes())
-        )
+        format!("Basic {}", BASE64.encode(self.route_key().as_bytes()))
     }
+
+    /// The API key an agent sends on the profile's model routes (`USER:TOKEN`): the gateway
+    /// accepts it in place of the provider's key, and sends the provider's key instead.
+    pub fn route_key(&self) -> String {
+        format!("{}:{}", self.user, self.token)
+    }
+}
+
+/// What a profile's sessions may reach through the gateway.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProfileEgress {
+    /// The destinations of its `egress_hosts`, for `CONNECT` and plain-HTTP proxying.
+    pub allowlist: Allowlist,
+    /// Its `model_routes`.
+    pub model_routes: Vec<ModelRoute>,
+}
+
+/// A model route as the gateway serves it: its upstream parsed, its credential's file and
+/// header known.
+#[derive(Debug)]
+pub struct ServedRoute {
+    pub(crate) route: ModelRoute,
+    /// Its upstream, or why it has none usable (a route not checked by [`check_routes`]
+    /// refuses every request, never guesses).
+    pub(crate) upstream: Result<Upstream, String>,
+    pub(crate) header: http::HeaderName,
+    pub(crate) secret_file: std::path::PathBuf,
+}
+
+impl ServedRoute {
+    fn new(route: ModelRoute, secrets: &std::path::Path) -> Self {
+        ServedRoute {
+            upstream: Upstream::parse(&route.upstream),
+            header: route.header_name(),
+            secret_file: route.secret_file(secrets),
+            route,
+        }
+    }
+}
+
+/// A profile as the gateway serves it.
+#[derive(Debug)]
+struct ServedProfile {
+    allowlist: Arc<Allowlist>,
+    routes: Vec<Arc<ServedRoute>>,
 }
 
 /// A session's bounds at the gateway, and when it last had a request.
@@ -136,7 +185,9 @@ struct SessionEntry {
 #[derive(Debug)]
 pub struct Gateway {
     key: GatewayKey,
-    profiles: HashMap<String, Arc<Allowlist>>,
+    profiles: HashMap<String, ServedProfile>,
+    /// Every model route's credential header, where a route's request carries its key.
+    route_headers: Vec<http::HeaderName>,
     sessions: Mutex<HashMap<SessionId, SessionEntry>>,
     /// Refusals of requests no session is known for: counted and logged at the same bounded
     /// rate as a session's, as session `-`.
@@ -145,14 +196,34 @@ pub struct Gateway {
 
 impl Gateway {
     /// A gateway that verifies credentials with `key` and serves each profile of `profiles`
-    /// (profile name to its allowlist).
-    pub fn new(key: GatewayKey, profiles: HashMap<String, Allowlist>) -> Self {
+    /// (profile name to what it may reach), reading its model routes' credentials under
+    /// `secrets` (`SECRETS/NAME/KEY`; [`DEFAULT_SECRETS_DIR`] in its Deployment).
+    pub fn new(key: GatewayKey, profiles: HashMap<String, ProfileEgress>, secrets: &std::path::Path) -> Self {
+        let mut route_headers: Vec<http::HeaderName> = Vec::new();
+        let profiles = profiles
+            .into_iter()
+            .map(|(name, egress)| {
+                let routes: Vec<Arc<ServedRoute>> = egress
+                    .model_routes
+                    .into_iter()
+                    .map(|route| Arc::new(ServedRoute::new(route, secrets)))
+                    .collect();
+                for route in &routes {
+                    if !route_headers.contains(&route.header) {
+                        route_headers.push(route.header.clone());
+                    }
+                }
+                let served = ServedProfile {
+                    allowlist: Arc::new(egress.allowlist),
+                    routes,
+                };
+                (name, served)
+            })
+            .collect();
         Gateway {
             key,
-            profiles: profiles
-                .into_iter()
-                .map(|(name, allowlist)| (name, Arc::new(allowlist)))
-                .collect(),
+            profiles,
+            route_headers,
             sessions: Mutex::new(HashMap::new()),
             unknown: SessionBounds::unattributed(),
         }
@@ -199,24 +270,31 @@ impl Gateway {
         }
     }
 
-    /// The session `request`'s credential names, if its token is the one the key gives it.
+    /// The session `request`'s credential names, if its token is the one the key gives it: a
+    /// proxied request's `Proxy-Authorization`, or, on a model route's path, the route key in
+    /// a route's credential header.
     fn authenticate(&self, request: &Request<Incoming>) -> Result<(SessionId, String), Refusal> {
         let denied = |reason: &str| Refusal::new(StatusCode::PROXY_AUTHENTICATION_REQUIRED, reason);
-        let value = request
-            .headers()
-            .get(header::PROXY_AUTHORIZATION)
-            .ok_or_else(|| denied("no proxy credential (Proxy-Authorization)"))?;
-        let encoded = value
-            .to_str()
-            .ok()
-            .and_then(|value| value.strip_prefix("Basic "))
-            .ok_or_else(|| denied("a proxy credential that is not Basic"))?;
-        let decoded = BASE64
-            .decode(encoded.trim().as_bytes())
-            .ok()
-            .and_then(|bytes| String::from_utf8(bytes).ok())
-            .ok_or_else(|| denied("a proxy credential that is not base64 of user:token"))?;
-        let (user, token) = decoded
+        let credential = if let Some(value) = request.headers().get(header::PROXY_AUTHORIZATION) {
+            let encoded = value
+                .to_str()
+                .ok()
+                .and_then(|value| value.strip_prefix("Basic "))
+                .ok_or_else(|| denied("a proxy credential that is not Basic"))?;
+            BASE64
+                .decode(encoded.trim().as_bytes())
+                .ok()
+                .and_then(|bytes| String::from_utf8(bytes).ok())
+                .ok_or_else(|| denied("a proxy credential that is not base64 of user:token"))?
+        } else if is_route_request(request) {
+            self.route_headers
+                .iter()
+                .find_map(|name| route_key(name, request.headers().get(name)?))
+                .ok_or_else(|| denied("no route key in the route's credential header"))?
+        } else {
+            return Err(denied("no proxy credential (Proxy-Authorization)"));
+        };
+        let (user, token) = credential
             .split_once(':')
             .ok_or_else(|| denied("a proxy credential without a token"))?;
         let (session, profile) = user
@@ -258,10 +336,25 @@ impl Admission for Gateway {
     fn admit(&self, request: &Request<Incoming>) -> Result<Admitted, Refusal> {
         let (id, profile) = self.authenticate(request)?;
         let bounds = self.bounds(id);
-        let Some(allowlist) = self.profiles.get(&profile) else {
+        let Some(served) = self.profiles.get(&profile) else {
             let reason = format!("profile {profile} has no egress at this gateway");
             bounds.refuse(None, &reason);
             return Err(Refusal::forbidden(reason));
+        };
+        let route = if is_route_request(request) {
+            let path = request.uri().path();
+            let Some(route) = served
+                .routes
+                .iter()
+                .find(|route| route.route.rest(path).is_some())
+            else {
+                let reason = format!("no model route of profile {profile} serves {}", LogSafe(path));
+                bounds.refuse(None, &reason);
+                return Err(Refusal::new(StatusCode::NOT_FOUND, reason));
+            };
+            Some(Arc::clone(route))
+        } else {
+            None
         };
         let Some(slot) = bounds.connection() else {
             let reason = format!(
@@ -272,7 +365,8 @@ impl Admission for Gateway {
             return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, reason));
         };
         Ok(Admitted {
-            allowlist: Arc::clone(allowlist),
+            allowlist: Arc::clone(&served.allowlist),
+            route,
             bounds,
             slot: Arc::new(slot),
         })
@@ -283,35 +377,65 @@ impl Admission for Gateway {
     }
 }
 
-/// Why a worker profile's `egress_hosts` were refused: the key, and what is wrong with it.
+/// Whether `request` is for the gateway's own paths (a model route) rather than a proxied
+/// destination: origin form (`POST /openai/v1/responses`), not `CONNECT`.
+pub(crate) fn is_route_request(request: &Request<Incoming>) -> bool {
+    request.method() != http::Method::CONNECT && request.uri().authority().is_none()
+}
+
+/// The route key in credential header `name`'s `value` (`Authorization` carries it as
+/// `Bearer KEY`), if it looks like one.
+fn route_key(name: &http::HeaderName, value: &http::HeaderValue) -> Option<String> {
+    let value = value.to_str().ok()?;
+    let key = if name == header::AUTHORIZATION {
+        value.strip_prefix("Bearer ")?
+    } else {
+        value
+    };
+    key.contains(':').then(|| key.trim().to_owned())
+}
+
+/// Why a worker profile's `egress_hosts` or `model_routes` were refused: the key, and what is
+/// wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{key}: {problem}")]
 pub struct ProfilesError {
-    /// The key, as the Kubernetes runtime names it (`profile/NAME.egress_hosts`).
+    /// The key, as the Kubernetes runtime names it (`profile/NAME.egress_hosts`,
+    /// `profile/NAME.model_routes`).
     pub key: String,
     /// What is wrong.
     pub problem: String,
 }
 
-/// The allowlist of worker profile `name`: the `egress_hosts` of its TOML document (the
-/// ConfigMap's `profile.toml`, which the runtime validates as a whole; the gateway reads this
-/// one key and leaves the rest to it).
+/// What worker profile `name` may reach: the `egress_hosts` and `model_routes` of its TOML
+/// document (the ConfigMap's `profile.toml`, which the runtime validates as a whole; the gateway
+/// reads these two keys and leaves the rest to it).
 ///
 /// # Errors
 ///
-/// [`ProfilesError`] when the document is not TOML, or `egress_hosts` is not an array of
+/// [`ProfilesError`] when the document is not TOML, `egress_hosts` is not an array of
 /// destinations [`EgressTarget::parse`](session_runtime::config::EgressTarget::parse) accepts,
-/// each listed once.
-pub fn profile_allowlist(name: &str, document: &str) -> Result<Allowlist, ProfilesError> {
+/// each listed once, or `model_routes` are not routes [`check_routes`] accepts.
+pub fn profile_egress(name: &str, document: &str) -> Result<ProfileEgress, ProfilesError> {
     let error = |key: &str, problem: String| ProfilesError {
         key: format!("profile/{name}{key}"),
         problem,
     };
-    let document: toml::Table = document
+    let mut document: toml::Table = document
         .parse()
         .map_err(|e: toml::de::Error| error("", e.to_string()))?;
+    let model_routes: Vec<ModelRoute> = match document.remove("model_routes") {
+        None => Vec::new(),
+        Some(value) => value
+            .try_into()
+            .map_err(|e: toml::de::Error| error(".model_routes", e.message().to_owned()))?,
+    };
+    check_routes(&model_routes).map_err(|e| error(".model_routes", e.to_string()))?;
     let Some(value) = document.get("egress_hosts") else {
-        return Ok(Allowlist::default());
+        return Ok(ProfileEgress {
+            allowlist: Allowlist::default(),
+            model_routes,
+        });
     };
     let toml::Value::Array(entries) = value else {
         return Err(error(
@@ -332,18 +456,21 @@ pub fn profile_allowlist(name: &str, document: &str) -> Result<Allowlist, Profil
         }
         targets.push(target);
     }
-    Ok(Allowlist::new(targets))
+    Ok(ProfileEgress {
+        allowlist: Allowlist::new(targets),
+        model_routes,
+    })
 }
 
-/// The allowlists of the worker profiles in `dir`: one file `NAME.toml` per profile (the
+/// What the worker profiles in `dir` may reach: one file `NAME.toml` per profile (the
 /// gateway's Deployment projects each profile ConfigMap's `profile.toml` there); other files
 /// are ignored.
 ///
 /// # Errors
 ///
 /// [`ProfilesError`] for a file that cannot be read (key `profile/NAME`) or whose
-/// `egress_hosts` are refused ([`profile_allowlist`]).
-pub fn load_profiles(dir: &std::path::Path) -> Result<HashMap<String, Allowlist>, ProfilesError> {
+/// keys are refused ([`profile_egress`]).
+pub fn load_profiles(dir: &std::path::Path) -> Result<HashMap<String, ProfileEgress>, ProfilesError> {
     let unreadable = |key: String, problem: String| ProfilesError { key, problem };
     let entries = std::fs::read_dir(dir).map_err(|e| unreadable(dir.display().to_string(), e.to_string()))?;
     let mut profiles = HashMap::new();
@@ -359,7 +486,7 @@ pub fn load_profiles(dir: &std::path::Path) -> Result<HashMap<String, Allowlist>
         };
         let document = std::fs::read_to_string(&path)
             .map_err(|e| unreadable(format!("profile/{name}"), e.to_string()))?;
-        profiles.insert(name.to_owned(), profile_allowlist(name, &document)?);
+        profiles.insert(name.to_owned(), profile_egress(name, &document)?);
     }
     Ok(profiles)
 }

@@ -23,6 +23,8 @@ pub mod allowlist;
 pub mod bounds;
 pub mod gateway;
 mod proxy;
+pub mod routes;
+mod upstream;
 
 pub use allowlist::Allowlist;
 pub use bounds::{ConnectionSlot, LogSafe, SessionBounds};
@@ -49,6 +51,8 @@ pub trait Admission: Send + Sync + 'static {
 pub struct Admitted {
     /// The destinations the session may reach.
     pub allowlist: std::sync::Arc<Allowlist>,
+    /// The model route a request for the proxy's own paths is for (none for a proxied request).
+    pub route: Option<std::sync::Arc<gateway::ServedRoute>>,
     /// The session's bounds and refusal log.
     pub bounds: std::sync::Arc<SessionBounds>,
     /// The request's place among the session's connections, held until it (or the tunnel it
@@ -85,6 +89,7 @@ impl Admission for OneSession {
     fn admit(&self, _request: &http::Request<hyper::body::Incoming>) -> Result<Admitted, Refusal> {
         Ok(Admitted {
             allowlist: std::sync::Arc::clone(&self.allowlist),
+            route: None,
             bounds: std::sync::Arc::clone(&self.bounds),
             slot: std::sync::Arc::clone(&self.slot),
         })

@@ -19,8 +19,9 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::allowlist::addresses;
-use crate::bounds::{ConnectionSlot, HEAD_TIMEOUT, MAX_HEAD};
-use crate::{Admission, Admitted, Refusal};
+use crate::bounds::{ConnectionSlot, SessionBounds, HEAD_TIMEOUT, MAX_HEAD};
+use crate::gateway::ServedRoute;
+use crate::{upstream, Admission, Admitted, LogSafe, Refusal};
 
 /// How long resolving a destination's name and connecting to it may take, together.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
@@ -92,9 +93,13 @@ async fn handle(
 ) -> Result<Response<ProxyBody>, Refusal> {
     let Admitted {
         allowlist,
+        route,
         bounds,
         slot,
     } = admitted;
+    if let Some(route) = route {
+        return serve_route(request, &route, &bounds, stop).await;
+    }
     let target = destination_of(&request).inspect_err(|refusal| bounds.refuse(None, &refusal.reason))?;
     let destination = target.authority();
     let Some(entry) = allowlist.entry(&target.host(), target.port()) else {
@@ -209,24 +214,144 @@ async fn forward(
         .uri
         .path_and_query()
         .map_or_else(|| Uri::from_static("/"), |path| Uri::from(path.clone()));
-    let proxy_only: Vec<header::HeaderName> = parts
-        .headers
+    remove_proxy_headers(&mut parts.headers);
+    send(Request::from_parts(parts, body), upstream, stop).await
+}
+
+/// Forwards a request for model route `route` to its upstream, its route key (which the
+/// admission checked) replaced by the route's credential, and returns the upstream's response
+/// as it streams. Every use is logged with the session, the route and the status, never a
+/// credential.
+async fn serve_route(
+    request: Request<Incoming>,
+    route: &ServedRoute,
+    bounds: &SessionBounds,
+    stop: CancellationToken,
+) -> Result<Response<ProxyBody>, Refusal> {
+    let prefix = route.route.prefix.as_str();
+    let unusable = |reason: String| {
+        bounds.note(prefix, &reason);
+        Refusal::bad_gateway(reason)
+    };
+    let upstream = route
+        .upstream
+        .as_ref()
+        .map_err(|problem| unusable(format!("model route {prefix} has no usable upstream: {problem}")))?;
+    let rest = route
+        .route
+        .rest(request.uri().path())
+        .unwrap_or_default()
+        .to_owned();
+    // The upstream's other paths are not the route's, whatever the upstream makes of dots.
+    if rest.split('/').any(|segment| segment == "." || segment == "..")
+        || rest.to_ascii_lowercase().contains("%2e")
+    {
+        let reason = format!("a dot segment in {}", LogSafe(request.uri().path()));
+        bounds.refuse(Some(prefix), &reason);
+        return Err(Refusal::bad_request(reason));
+    }
+    let credential = credential_value(route).await.map_err(unusable)?;
+
+    let (mut parts, body) = request.into_parts();
+    let target = match parts.uri.query() {
+        Some(query) => format!("{}/{rest}?{query}", upstream.path),
+        None => format!("{}/{rest}", upstream.path),
+    };
+    parts.uri = target
+        .parse()
+        .map_err(|e| Refusal::bad_request(format!("a path the upstream cannot be sent: {e}")))?;
+    remove_proxy_headers(&mut parts.headers);
+    for hop in [header::CONNECTION, header::TE, header::TRAILER, header::UPGRADE] {
+        parts.headers.remove(hop);
+    }
+    parts.headers.remove("keep-alive");
+    parts.headers.insert(route.header.clone(), credential);
+    let host = if upstream.port == if upstream.tls { 443 } else { 80 } {
+        upstream.host.clone()
+    } else {
+        upstream.authority()
+    };
+    let host = header::HeaderValue::from_str(&host)
+        .map_err(|_| unusable(format!("model route {prefix}: {host} is not a Host header")))?;
+    parts.headers.insert(header::HOST, host);
+
+    let connection = tokio::time::timeout(CONNECT_TIMEOUT, upstream::connect(upstream))
+        .await
+        .unwrap_or_else(|_| Err(format!("connecting to {} timed out", upstream.authority())))
+        .map_err(|reason| unusable(format!("model route {prefix}: {reason}")))?;
+    let response = send(Request::from_parts(parts, body), connection, stop)
+        .await
+        .map_err(|e| unusable(format!("model route {prefix}: {}: {e}", upstream.authority())))?;
+    tracing::info!(
+        session = %bounds.session(),
+        route = prefix,
+        status = response.status().as_u16(),
+        "model route"
+    );
+    Ok(response)
+}
+
+/// The value `route`'s credential header is sent with: its Secret's (read at each request, so a
+/// rotated Secret applies as soon as the kubelet updates the file), as `Bearer VALUE` in
+/// `Authorization`.
+async fn credential_value(route: &ServedRoute) -> Result<header::HeaderValue, String> {
+    let unreadable = |problem: String| {
+        format!(
+            "model route {}: the credential (Secret {} key {}, {}): {problem}",
+            route.route.prefix,
+            route.route.secret.name,
+            route.route.secret.key,
+            route.secret_file.display()
+        )
+    };
+    let value = tokio::fs::read_to_string(&route.secret_file)
+        .await
+        .map_err(|e| unreadable(e.to_string()))?;
+    let value = value.trim_end_matches(['\r', '\n']);
+    if value.is_empty() {
+        return Err(unreadable("it is empty".to_owned()));
+    }
+    let value = if route.header == header::AUTHORIZATION {
+        format!("Bearer {value}")
+    } else {
+        value.to_owned()
+    };
+    let mut value = header::HeaderValue::from_str(&value)
+        .map_err(|_| unreadable("it is not a valid header value".to_owned()))?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+/// Removes the headers meant for the proxy (`Proxy-*`).
+fn remove_proxy_headers(headers: &mut header::HeaderMap) {
+    let proxy_only: Vec<header::HeaderName> = headers
         .keys()
         .filter(|name| name.as_str().starts_with("proxy-"))
         .cloned()
         .collect();
     for name in proxy_only {
-        parts.headers.remove(name);
+        headers.remove(name);
     }
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await?;
-    // The destination's connection lives until its response has been read, or `stop`.
+}
+
+/// Sends `request` over `io` with hyper's HTTP/1 client and returns the response as it streams;
+/// the connection lives until the response has been read, or `stop`.
+async fn send<I>(
+    request: Request<Incoming>,
+    io: I,
+    stop: CancellationToken,
+) -> Result<Response<ProxyBody>, hyper::Error>
+where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
     tokio::spawn(async move {
         tokio::select! {
             () = stop.cancelled() => {}
             _ = connection => {}
         }
     });
-    let response = sender.send_request(Request::from_parts(parts, body)).await?;
+    let response = sender.send_request(request).await?;
     Ok(response.map(BodyExt::boxed))
 }
 

@@ -7,10 +7,11 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use egress_proxy::bounds::MAX_CONNECTIONS;
-use egress_proxy::gateway::{load_profiles, profile_allowlist, Gateway, GatewayKey, ProxyCredential};
+use egress_proxy::gateway::{load_profiles, profile_egress, Gateway, GatewayKey, ProxyCredential};
 use session_runtime::{SessionId, SessionIdentity};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -84,15 +85,24 @@ impl Drop for Running {
 /// A gateway serving profile `work` whose `egress_hosts` are `hosts`.
 async fn gateway(key: &GatewayKey, hosts: &[String]) -> Running {
     let document = format!("image = \"w\"\negress_hosts = {hosts:?}\n");
-    let profiles = [(
-        "work".to_owned(),
-        profile_allowlist("work", &document).expect("a profile"),
-    )]
-    .into();
+    serve(key, &[("work", &document)], Path::new("/nonexistent")).await
+}
+
+/// A gateway serving `profiles` (name and TOML document), its routes' Secrets under `secrets`.
+async fn serve(key: &GatewayKey, profiles: &[(&str, &str)], secrets: &Path) -> Running {
+    let profiles = profiles
+        .iter()
+        .map(|(name, document)| {
+            (
+                (*name).to_owned(),
+                profile_egress(name, document).expect("a profile"),
+            )
+        })
+        .collect();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let stop = CancellationToken::new();
-    tokio::spawn(Arc::new(Gateway::new(key.clone(), profiles)).serve(listener, stop.clone()));
+    tokio::spawn(Arc::new(Gateway::new(key.clone(), profiles, secrets)).serve(listener, stop.clone()));
     Running { address, stop }
 }
 
@@ -334,18 +344,30 @@ fn a_profiles_egress_hosts_are_refused_naming_the_key_and_the_rest_left_to_the_r
         ),
         ("egress_hosts = [443]\n", "profile/work.egress_hosts", "entry 1:"),
         ("egress_hosts = [", "profile/work", ""),
+        (
+            "[[model_routes]]\nprefix = \"openai\"\nupstream = \"https://a.example\"\nheader = \"Authorization\"\n\
+             secret = { name = \"k\", key = \"v\" }\n",
+            "profile/work.model_routes",
+            "entry 1: prefix:",
+        ),
+        (
+            "[[model_routes]]\nprefix = \"/o/\"\nupstream = \"https://a.example\"\nheader = \"Authorization\"\n\
+             secret = { name = \"k\", key = \"v\" }\nsecrets = 1\n",
+            "profile/work.model_routes",
+            "unknown field `secrets`",
+        ),
     ] {
-        let error = profile_allowlist("work", document).expect_err(document);
+        let error = profile_egress("work", document).expect_err(document);
         assert_eq!(error.key, key, "{document}: {error}");
         assert!(error.problem.contains(problem), "{document}: {error}");
     }
-    let allowlist = profile_allowlist(
+    let egress = profile_egress(
         "work",
         "image = \"w\"\n[resources]\ncpu_limit = \"1\"\negress_hosts = [\"x:1\"]\n",
     )
     .expect("other keys are the runtime's");
     assert!(
-        allowlist.targets().is_empty(),
+        egress.allowlist.targets().is_empty(),
         "a key of [resources] is not the profile's egress_hosts"
     );
     let dir = tempfile::tempdir().expect("dir");
@@ -358,8 +380,8 @@ fn a_profiles_egress_hosts_are_refused_naming_the_key_and_the_rest_left_to_the_r
     std::fs::write(dir.path().join("README"), "not a profile").expect("write");
     let profiles: HashMap<_, _> = load_profiles(dir.path()).expect("profiles");
     assert_eq!(profiles.len(), 2);
-    assert_eq!(profiles["work"].targets().len(), 1);
-    assert!(profiles["none"].targets().is_empty());
+    assert_eq!(profiles["work"].allowlist.targets().len(), 1);
+    assert!(profiles["none"].allowlist.targets().is_empty());
 }
 
 #[test]
@@ -390,5 +412,214 @@ fn the_binary_refuses_a_short_key_and_a_bad_profile_naming_them() {
     assert!(
         String::from_utf8_lossy(&output.stderr).contains("profile/work.egress_hosts: entry 1:"),
         "{output:?}"
+    );
+}
+
+/// A loopback model upstream that records each request's head and answers `200 model`.
+async fn model_upstream() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let heads: Arc<Mutex<Vec<String>>> = Arc::default();
+    let recorded = Arc::clone(&heads);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let recorded = Arc::clone(&recorded);
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                let mut head = String::new();
+                loop {
+                    let mut line = String::new();
+                    if stream.read_line(&mut line).await.unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    head.push_str(&line);
+                }
+                recorded.lock().expect("heads").push(head);
+                let _ = stream
+                    .get_mut()
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nmodel")
+                    .await;
+            });
+        }
+    });
+    (address, heads)
+}
+
+/// `request` (a whole request head and body) sent to the gateway: the status line and the body.
+async fn exchange(gateway: SocketAddr, request: &str) -> (String, String) {
+    let mut stream = TcpStream::connect(gateway).await.expect("connect to the gateway");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.expect("answer");
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    (
+        head.lines().next().unwrap_or_default().to_owned(),
+        body.to_owned(),
+    )
+}
+
+fn post(path: &str, header: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: gateway\r\n{header}Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_route_swaps_the_sessions_route_key_for_the_secret_and_refuses_anything_else() {
+    let _ = log();
+    let key = GatewayKey::new([5u8; 32]);
+    let (upstream, heads) = model_upstream().await;
+    let secrets = tempfile::tempdir().expect("dir");
+    std::fs::create_dir(secrets.path().join("model-keys")).expect("a Secret's directory");
+    std::fs::write(secrets.path().join("model-keys/openai"), "sk-openai-secret\n").expect("a key");
+    std::fs::write(secrets.path().join("model-keys/anthropic"), "sk-ant-secret").expect("a key");
+    let routes = format!(
+        "[[model_routes]]\nprefix = \"/openai/\"\nupstream = \"http://{upstream}/v1\"\nheader = \"Authorization\"\n\
+         secret = {{ name = \"model-keys\", key = \"openai\" }}\n\
+         [[model_routes]]\nprefix = \"/anthropic/\"\nupstream = \"http://{upstream}\"\nheader = \"x-api-key\"\n\
+         secret = {{ name = \"model-keys\", key = \"anthropic\" }}\n\
+         [[model_routes]]\nprefix = \"/missing/\"\nupstream = \"http://{upstream}\"\nheader = \"Authorization\"\n\
+         secret = {{ name = \"model-keys\", key = \"absent\" }}\n"
+    );
+    let gateway = serve(
+        &key,
+        &[("work", &routes), ("plain", "image = \"w\"\n")],
+        secrets.path(),
+    )
+    .await;
+    let (a, b) = (session("route-a"), session("route-b"));
+    let a_key = key.credential(a, "work").route_key();
+
+    let (status, body) = exchange(
+        gateway.address,
+        &post(
+            "/openai/responses?stream=true",
+            &format!("Authorization: Bearer {a_key}\r\n"),
+        ),
+    )
+    .await;
+    assert_eq!((status.as_str(), body.as_str()), ("HTTP/1.1 200 OK", "model"));
+    let head = heads
+        .lock()
+        .expect("heads")
+        .pop()
+        .expect("the upstream was asked");
+    assert!(
+        head.starts_with("POST /v1/responses?stream=true HTTP/1.1\r\n"),
+        "{head}"
+    );
+    assert!(
+        head.contains("authorization: Bearer sk-openai-secret\r\n"),
+        "{head}"
+    );
+    assert!(head.contains(&format!("host: {upstream}\r\n")), "{head}");
+    assert!(
+        !head.contains(&a_key),
+        "the route key reached the upstream: {head}"
+    );
+
+    let (status, _) = exchange(
+        gateway.address,
+        &post("/anthropic/v1/messages", &format!("x-api-key: {a_key}\r\n")),
+    )
+    .await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    let head = heads
+        .lock()
+        .expect("heads")
+        .pop()
+        .expect("the upstream was asked");
+    assert!(head.starts_with("POST /v1/messages HTTP/1.1\r\n"), "{head}");
+    assert!(head.contains("x-api-key: sk-ant-secret\r\n"), "{head}");
+
+    let a_token = a_key.rsplit(':').next().expect("a token");
+    let refusals = [
+        ("no key", post("/openai/responses", ""), "407"),
+        (
+            "a key of no session",
+            post("/openai/responses", "Authorization: Bearer sk-guess\r\n"),
+            "407",
+        ),
+        (
+            "another session's name with a's token",
+            post(
+                "/openai/responses",
+                &format!("Authorization: Bearer {b}.work:{a_token}\r\n"),
+            ),
+            "407",
+        ),
+        (
+            "a path no route serves",
+            post("/google/v1", &format!("Authorization: Bearer {a_key}\r\n")),
+            "404",
+        ),
+        (
+            "a profile without routes",
+            post(
+                "/openai/responses",
+                &format!(
+                    "Authorization: Bearer {}\r\n",
+                    key.credential(a, "plain").route_key()
+                ),
+            ),
+            "404",
+        ),
+        (
+            "a dot segment",
+            post("/openai/../admin", &format!("Authorization: Bearer {a_key}\r\n")),
+            "400",
+        ),
+        (
+            "an encoded dot segment",
+            post(
+                "/openai/%2E%2E/admin",
+                &format!("Authorization: Bearer {a_key}\r\n"),
+            ),
+            "400",
+        ),
+        (
+            "a route whose Secret is not mounted",
+            post("/missing/x", &format!("Authorization: Bearer {a_key}\r\n")),
+            "502",
+        ),
+    ];
+    for (case, request, code) in &refusals {
+        let (status, _) = exchange(gateway.address, request).await;
+        assert!(
+            status.starts_with(&format!("HTTP/1.1 {code}")),
+            "{case}: {status}"
+        );
+    }
+    assert!(
+        heads.lock().expect("heads").is_empty(),
+        "a refused request reached the upstream"
+    );
+
+    // The session goes on being served, and the log holds neither credential.
+    let (status, _) = exchange(
+        gateway.address,
+        &post("/openai/responses", &format!("Authorization: Bearer {a_key}\r\n")),
+    )
+    .await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let text = logged();
+    assert!(
+        !text.contains("sk-openai-secret") && !text.contains("sk-ant-secret"),
+        "a Secret in the log:\n{text}"
+    );
+    assert!(!text.contains(a_token), "a route key in the log:\n{text}");
+    assert!(
+        text.lines().any(|line| line.contains("model route")
+            && line.contains(&format!("session={a}"))
+            && line.contains("route=\"/openai/\"")
+            && line.contains("status=200")),
+        "no log line of the route's use:\n{text}"
+    );
+    assert!(
+        text.lines().any(|line| line.contains("egress refused")
+            && line.contains(&format!("session={a}"))
+            && line.contains("reason=a dot segment")),
+        "no log line of the dot segment's refusal:\n{text}"
     );
 }

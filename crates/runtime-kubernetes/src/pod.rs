@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use egress_proxy::gateway::ProxyCredential;
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
     EnvVarSource, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, Probe,
@@ -16,6 +17,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use session_runtime::config::EgressTarget;
 use session_runtime::{Generation, SessionId};
 use worker_relay::token::TokenHash;
 
@@ -33,8 +35,48 @@ const HOME_DIR: &str = "home";
 /// The worker's only container.
 pub(crate) const CONTAINER: &str = "worker";
 
-/// What `NO_PROXY` says in a worker with a proxy: loopback is reached directly.
+/// What `NO_PROXY` says in a worker with a proxy, besides the gateway itself: loopback is
+/// reached directly.
 const NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
+/// What a worker is given to reach the egress gateway: its proxy URL and model routes, each
+/// with the session's own credential only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct WorkerEgress {
+    /// `http://SESSION.PROFILE:TOKEN@GATEWAY`.
+    proxy_url: String,
+    /// The gateway's host, reached directly (its model routes are its own paths).
+    gateway_host: String,
+    /// The model routes' variables: base URLs at the gateway, and the route key.
+    route_env: Vec<(String, String)>,
+}
+
+impl WorkerEgress {
+    /// What a worker of `profile` with `credential` is given for the gateway at `gateway`.
+    pub(crate) fn new(profile: &WorkerProfile, credential: &ProxyCredential, gateway: &EgressTarget) -> Self {
+        let authority = gateway.authority();
+        let mut route_env = Vec::new();
+        for route in &profile.model_routes {
+            if let Some(name) = &route.base_url_env {
+                route_env.push((name.clone(), route.base_url(&authority)));
+            }
+            if let Some(name) = &route.key_env {
+                route_env.push((name.clone(), credential.route_key()));
+            }
+        }
+        WorkerEgress {
+            proxy_url: credential.proxy_url(&authority),
+            gateway_host: gateway.host(),
+            route_env,
+        }
+    }
+
+    /// The proxy URL (for tests).
+    #[cfg(test)]
+    pub(crate) fn proxy_url(&self) -> &str {
+        &self.proxy_url
+    }
+}
 
 /// What one worker Pod is made of besides the profile.
 #[derive(Debug)]
@@ -54,8 +96,8 @@ pub(crate) struct WorkerSpec<'a> {
     /// kubelet noticing its exit only at its next relist), so a claim whose directories an earlier
     /// worker or the seed Job made goes without one.
     pub(crate) prepare: bool,
-    /// The worker's proxy URL with its own credential, when its profile names an egress gateway.
-    pub(crate) proxy: Option<&'a str>,
+    /// The worker's way to the egress gateway, when its profile names one.
+    pub(crate) egress: Option<&'a WorkerEgress>,
 }
 
 pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod {
@@ -152,13 +194,17 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         plain_env("OAB_RELAY_TOKEN_SHA256", spec.token_hash.to_hex()),
         plain_env("HOME", profile.home_path.clone()),
     ];
-    if let Some(proxy) = spec.proxy {
-        // Upper and lower case: clients read one or the other. Loopback stays direct.
+    if let Some(egress) = spec.egress {
+        // Upper and lower case: clients read one or the other. Loopback and the gateway's own
+        // paths (its model routes) stay direct.
         for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
-            env.push(plain_env(name, proxy.to_owned()));
+            env.push(plain_env(name, egress.proxy_url.clone()));
         }
         for name in ["NO_PROXY", "no_proxy"] {
-            env.push(plain_env(name, NO_PROXY.to_owned()));
+            env.push(plain_env(name, format!("{NO_PROXY},{}", egress.gateway_host)));
+        }
+        for (name, value) in &egress.route_env {
+            env.push(plain_env(name, value.clone()));
         }
     }
     env.extend(profile.env.iter().map(|secret| EnvVar {
@@ -371,6 +417,7 @@ pub(crate) fn resources(profile: &WorkerProfile) -> ResourceRequirements {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use egress_proxy::gateway::GatewayKey;
     use session_runtime::SessionIdentity;
     use worker_relay::BrokerKey;
 
@@ -378,11 +425,16 @@ mod tests {
         pod_with(storage, None)
     }
 
-    /// A first worker of generation 3 on a claim, under a profile with `storage`, and `proxy`.
-    fn pod_with(storage: &str, proxy: Option<&str>) -> (SessionId, Pod) {
-        let document = format!("image = \"w:1\"\nagent = [\"/agent\"]\n{storage}");
+    fn session() -> SessionId {
+        SessionIdentity::new("i", "a", "p", "t").expect("identity").id()
+    }
+
+    /// A first worker of generation 3 on a claim, under a profile with `settings` (other keys),
+    /// and `egress`.
+    fn pod_with(settings: &str, egress: Option<&WorkerEgress>) -> (SessionId, Pod) {
+        let document = format!("image = \"w:1\"\nagent = [\"/agent\"]\n{settings}");
         let profile = WorkerProfile::from_toml("p", "1", &document).expect("a profile");
-        let id = SessionIdentity::new("i", "a", "p", "t").expect("identity").id();
+        let id = session();
         let hash = BrokerKey::new(vec![7; 32]).token(id.as_str(), 3).hash();
         let spec = WorkerSpec {
             id: &id,
@@ -393,7 +445,7 @@ mod tests {
             anchor_uid: "uid",
             claim: Some("claim"),
             prepare: true,
-            proxy,
+            egress,
         };
         (id, worker_pod(&profile, &spec))
     }
@@ -417,21 +469,41 @@ mod tests {
                 .any(|name| name.to_ascii_uppercase().contains("PROXY")),
             "{names:?}"
         );
-        let url = "http://user:token@10.96.0.50:3128";
-        let (_, with) = pod_with("", Some(url));
+        let routes = "egress_gateway = \"oab-gw.sessions:3128\"\n\
+            [[model_routes]]\nprefix = \"/openai/\"\nupstream = \"https://api.openai.com\"\n\
+            header = \"Authorization\"\nsecret = { name = \"keys\", key = \"openai\" }\n\
+            base_url_env = \"OPENAI_BASE_URL\"\nkey_env = \"OPENAI_API_KEY\"\n";
+        let profile =
+            WorkerProfile::from_toml("p", "1", &format!("image = \"w\"\nagent = [\"/a\"]\n{routes}"))
+                .expect("a profile");
+        let credential = GatewayKey::new([4u8; 32]).credential(session(), "p");
+        let gateway = profile.egress_gateway.clone().expect("a gateway");
+        let egress = WorkerEgress::new(&profile, &credential, &gateway);
+        let (_, with) = pod_with(routes, Some(&egress));
         let env = env(&with);
+        let url = credential.proxy_url("oab-gw.sessions:3128");
         for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
-            assert!(
-                env.contains(&(name.to_owned(), url.to_owned())),
-                "{name}: {env:?}"
-            );
+            assert!(env.contains(&(name.to_owned(), url.clone())), "{name}: {env:?}");
         }
+        // The gateway's own paths (its model routes) are not proxied.
+        let direct = format!("{NO_PROXY},oab-gw.sessions");
         for name in ["NO_PROXY", "no_proxy"] {
             assert!(
-                env.contains(&(name.to_owned(), NO_PROXY.to_owned())),
+                env.contains(&(name.to_owned(), direct.clone())),
                 "{name}: {env:?}"
             );
         }
+        assert!(
+            env.contains(&(
+                "OPENAI_BASE_URL".to_owned(),
+                "http://oab-gw.sessions:3128/openai".to_owned()
+            )),
+            "{env:?}"
+        );
+        assert!(
+            env.contains(&("OPENAI_API_KEY".to_owned(), credential.route_key())),
+            "{env:?}"
+        );
     }
 
     fn sub_paths(pod: &Pod) -> Vec<String> {
@@ -484,7 +556,7 @@ mod tests {
                 anchor_uid: "uid",
                 claim: Some("claim"),
                 prepare: false,
-                proxy: None,
+                egress: None,
             },
         );
         let init = |pod: &Pod| pod.spec.as_ref().and_then(|spec| spec.init_containers.clone());

@@ -49,6 +49,14 @@
 //! [home_template]                            # copied into a new session's HOME at create
 //! config_map = "agent-home"                   # or secret = "agent-home"; exactly one
 //!
+//! [[model_routes]]                           # through the gateway, which adds the key
+//! prefix = "/openai/"
+//! upstream = "https://api.openai.com"
+//! header = "Authorization"
+//! secret = { name = "model-keys", key = "openai" }   # mounted in the gateway, never the worker
+//! base_url_env = "OPENAI_BASE_URL"            # optional: set to http://GATEWAY/openai
+//! key_env = "OPENAI_API_KEY"                  # optional: set to the session's route key
+//!
 //! [[env]]
 //! name = "ANTHROPIC_API_KEY"
 //! secret = "agent-credentials"
@@ -68,6 +76,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use egress_proxy::routes::{check_routes, ModelRoute};
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde::Deserialize;
 use session_runtime::config::{
@@ -137,6 +146,10 @@ pub struct WorkerProfile {
     /// gateway, which holds the same list (it reads this key of the same profile). Default
     /// empty: nothing through the gateway.
     pub egress_hosts: Vec<EgressTarget>,
+    /// Model providers workers reach through the egress gateway, which replaces the session's
+    /// route key with the provider's credential from a Secret only the gateway mounts (see
+    /// [`egress_proxy::routes`]). Default empty.
+    pub model_routes: Vec<ModelRoute>,
     /// The origins a [`WorkspaceSeed::GitClone`](session_runtime::WorkspaceSeed::GitClone) may
     /// clone from (see [`SeedHost::parse`]). Default empty: clone seeds are refused. A URL is
     /// checked against it at create; local paths, `file://` and transport helpers never pass.
@@ -269,7 +282,7 @@ impl WorkerProfile {
             check_cidr(cidr)
                 .map_err(|reason| self.invalid("egress", format!("entry {}: {reason}", index + 1)))?;
         }
-        self.check_egress_hosts()?;
+        self.check_gateway()?;
         self.check_durations()
     }
 
@@ -383,8 +396,9 @@ impl WorkerProfile {
         Ok(())
     }
 
-    /// The gateway's destinations: each once, and a gateway to reach them through.
-    fn check_egress_hosts(&self) -> Result<(), Error> {
+    /// The gateway's destinations and model routes: each once, their variables free, and a
+    /// gateway to reach them through.
+    fn check_gateway(&self) -> Result<(), Error> {
         for (index, host) in self.egress_hosts.iter().enumerate() {
             if let Some(earlier) = self.egress_hosts[..index].iter().position(|e| e == host) {
                 return Err(self.invalid(
@@ -397,12 +411,50 @@ impl WorkerProfile {
                 ));
             }
         }
-        if !self.egress_hosts.is_empty() && self.egress_gateway.is_none() {
-            return Err(self.invalid(
-                "egress_gateway",
-                "is required with egress_hosts: the egress gateway's Service as workers reach it, \
-                 e.g. egress_gateway = \"openab-egress-gateway:3128\"",
-            ));
+        check_routes(&self.model_routes).map_err(|e| self.invalid("model_routes", e.to_string()))?;
+        let mut taken: Vec<&str> = self.env.iter().map(|var| var.name.as_str()).collect();
+        for (index, route) in self.model_routes.iter().enumerate() {
+            for (field, variable) in [("base_url_env", &route.base_url_env), ("key_env", &route.key_env)] {
+                let Some(variable) = variable.as_deref() else {
+                    continue;
+                };
+                let reserved = variable == "HOME"
+                    || variable.starts_with(RESERVED_ENV_PREFIX)
+                    || variable.to_ascii_uppercase().ends_with("_PROXY");
+                if reserved || taken.contains(&variable) {
+                    return Err(self.invalid(
+                        "model_routes",
+                        format!(
+                            "entry {}: {field}: {variable} is {}",
+                            index + 1,
+                            if reserved {
+                                "set by the runtime"
+                            } else {
+                                "already set by [[env]] or another route"
+                            }
+                        ),
+                    ));
+                }
+                taken.push(variable);
+            }
+        }
+        if self.egress_gateway.is_none() {
+            let needing = if !self.egress_hosts.is_empty() {
+                Some("egress_hosts")
+            } else if !self.model_routes.is_empty() {
+                Some("model_routes")
+            } else {
+                None
+            };
+            if let Some(needing) = needing {
+                return Err(self.invalid(
+                    "egress_gateway",
+                    format!(
+                        "is required with {needing}: the egress gateway's Service as workers reach it, \
+                         e.g. egress_gateway = \"openab-egress-gateway:3128\""
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -961,6 +1013,7 @@ struct Document {
     egress: Vec<String>,
     egress_gateway: Option<EgressTarget>,
     egress_hosts: Vec<EgressTarget>,
+    model_routes: Vec<ModelRoute>,
     seed_hosts: Vec<SeedHost>,
     #[serde(with = "serde_duration::option")]
     idle_ttl: Option<Duration>,
@@ -992,6 +1045,7 @@ impl Default for Document {
             egress: Vec::new(),
             egress_gateway: None,
             egress_hosts: Vec::new(),
+            model_routes: Vec::new(),
             seed_hosts: Vec::new(),
             idle_ttl: None,
             max_lifetime: None,
@@ -1024,6 +1078,7 @@ impl Document {
             egress: self.egress,
             egress_gateway: self.egress_gateway,
             egress_hosts: self.egress_hosts,
+            model_routes: self.model_routes,
             seed_hosts: self.seed_hosts,
             idle_ttl: self.idle_ttl,
             max_lifetime: self.max_lifetime,
@@ -1280,6 +1335,13 @@ mod tests {
             secret = "agent-credentials"
             key = "anthropic"
 
+            [[model_routes]]
+            prefix = "/openai/"
+            upstream = "https://api.openai.com"
+            header = "Authorization"
+            secret = { name = "model-keys", key = "openai" }
+            key_env = "OPENAI_API_KEY"
+
             [retention]
             reset = "delete"
             ended = "retain"
@@ -1338,6 +1400,17 @@ mod tests {
             ],
             egress_gateway: Some(EgressTarget::parse("openab-egress-gateway:3128").expect("valid")),
             egress_hosts: vec![EgressTarget::parse("github.com:443").expect("valid")],
+            model_routes: vec![ModelRoute {
+                prefix: "/openai/".into(),
+                upstream: "https://api.openai.com".into(),
+                header: "Authorization".into(),
+                secret: egress_proxy::routes::SecretKey {
+                    name: "model-keys".into(),
+                    key: "openai".into(),
+                },
+                base_url_env: None,
+                key_env: Some("OPENAI_API_KEY".into()),
+            }],
             seed_hosts: vec![
                 SeedHost::parse("github.com").expect("valid"),
                 SeedHost::parse("git://10.0.0.7:9419").expect("valid"),
@@ -1699,6 +1772,45 @@ mod tests {
             "egress_gateway = \"gw\"\n",
             "profile/isolated-worker.egress_gateway",
             "",
+        );
+    }
+
+    #[test]
+    fn model_routes_go_through_a_gateway_with_variables_of_their_own() {
+        let route = |extra: &str| {
+            format!(
+                "[[model_routes]]\nprefix = \"/openai/\"\nupstream = \"https://api.openai.com\"\n\
+                 header = \"Authorization\"\nsecret = {{ name = \"keys\", key = \"openai\" }}\n{extra}"
+            )
+        };
+        assert_refused(
+            &route(""),
+            "profile/isolated-worker.egress_gateway",
+            "required with model_routes",
+        );
+        let gateway = "egress_gateway = \"gw:3128\"\n";
+        assert_refused(
+            &format!("{gateway}{}", route("upstream_key = 1\n")),
+            "profile/isolated-worker.model_routes.upstream_key",
+            "unknown field `upstream_key`",
+        );
+        assert_refused(
+            &format!("{gateway}{}", route("key_env = \"HTTPS_PROXY\"\n")),
+            "profile/isolated-worker.model_routes",
+            "entry 1: key_env: HTTPS_PROXY is set by the runtime",
+        );
+        assert_refused(
+            &format!(
+                "{gateway}[[env]]\nname = \"OPENAI_API_KEY\"\nsecret = \"s\"\nkey = \"k\"\n{}",
+                route("key_env = \"OPENAI_API_KEY\"\n")
+            ),
+            "profile/isolated-worker.model_routes",
+            "already set by [[env]]",
+        );
+        assert_refused(
+            &format!("{gateway}{}", route("").replace("/openai/", "openai")),
+            "profile/isolated-worker.model_routes",
+            "entry 1: prefix:",
         );
     }
 

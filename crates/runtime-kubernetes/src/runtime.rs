@@ -31,7 +31,7 @@ use worker_relay::{BrokerKey, ClientConfig, RelayClient};
 
 use crate::abandon::{AttachInFlight, Before, CONNECT_TIMEOUT};
 use crate::api::{api_error, is_status};
-use crate::pod::{worker_pod, WorkerSpec};
+use crate::pod::{worker_pod, WorkerEgress, WorkerSpec};
 use crate::profile::{Storage, WorkerProfile};
 use crate::reach::ExecConnector;
 use crate::record::{now, CloseRecord, Phase, SeedRecord, SessionRecord, Volume};
@@ -437,14 +437,14 @@ impl KubernetesRuntime {
         }
     }
 
-    /// The proxy URL of session `id`'s worker under `profile`, with the session's own
-    /// credential, when the profile names an egress gateway.
+    /// What session `id`'s worker under `profile` is given to reach the egress gateway, with
+    /// the session's own credential, when the profile names one.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] naming `egress_gateway_key_file` when the profile names a gateway
     /// and this runtime has no key for it.
-    fn proxy_url(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<String>> {
+    fn worker_egress(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<WorkerEgress>> {
         let Some(gateway) = &profile.egress_gateway else {
             return Ok(None);
         };
@@ -460,10 +460,11 @@ impl KubernetesRuntime {
                     gateway.authority()
                 ),
             })?;
-        Ok(Some(
-            key.credential(*id, profile.name())
-                .proxy_url(&gateway.authority()),
-        ))
+        Ok(Some(WorkerEgress::new(
+            profile,
+            &key.credential(*id, profile.name()),
+            gateway,
+        )))
     }
 
     pub(crate) fn lock(&self, id: &SessionId) -> Arc<tokio::sync::Mutex<()>> {
@@ -812,7 +813,7 @@ impl KubernetesRuntime {
             self.ensure_service_account(id, record.incarnation, &anchor_uid)
                 .await?;
         }
-        let proxy = self.proxy_url(id, profile)?;
+        let egress = self.worker_egress(id, profile)?;
         let pod = worker_pod(
             profile,
             &WorkerSpec {
@@ -824,7 +825,7 @@ impl KubernetesRuntime {
                 anchor_uid: &anchor_uid,
                 claim: record.volume.claim(),
                 prepare: !(record.prepared && record.volume.claim().is_some()),
-                proxy: proxy.as_deref(),
+                egress: egress.as_ref(),
             },
         );
         self.apply_egress(profile).await?;
@@ -1879,18 +1880,26 @@ mod tests {
         )
         .expect("a profile");
         let id = SessionIdentity::new("i", "a", "p", "t").expect("identity").id();
-        let url = runtime.proxy_url(&id, &profile).expect("a URL").expect("a proxy");
+        let egress = runtime
+            .worker_egress(&id, &profile)
+            .expect("valid")
+            .expect("a proxy");
+        let url = egress.proxy_url();
         let expected = GatewayKey::new([2u8; 32])
             .credential(id, "worker")
             .proxy_url("10.96.0.50:3128");
         assert_eq!(url, expected);
         assert!(url.starts_with(&format!("http://{id}.worker:")), "{url}");
         let other = SessionIdentity::new("i", "a", "p", "u").expect("identity").id();
-        assert_ne!(runtime.proxy_url(&other, &profile).expect("a URL"), Some(url));
+        let others = runtime
+            .worker_egress(&other, &profile)
+            .expect("valid")
+            .expect("a proxy");
+        assert_ne!(others.proxy_url(), url);
 
         let plain =
             WorkerProfile::from_toml("worker", "1", "image = \"w\"\nagent = [\"/a\"]\n").expect("a profile");
-        assert_eq!(runtime.proxy_url(&id, &plain).expect("no gateway"), None);
+        assert_eq!(runtime.worker_egress(&id, &plain).expect("no gateway"), None);
         let without_key = KubernetesRuntime::builder_from_config(
             &SessionRuntimeConfig::from_toml_document(
                 "[session_runtime]\ntype = \"kubernetes\"\n[session_runtime.kubernetes]\n\
@@ -1901,7 +1910,7 @@ mod tests {
         .expect("a builder")
         .build()
         .expect("a runtime");
-        let refused = without_key.proxy_url(&id, &profile).unwrap_err();
+        let refused = without_key.worker_egress(&id, &profile).unwrap_err();
         assert!(
             matches!(&refused, Error::InvalidConfig { key, .. } if key == key_name),
             "{refused}"

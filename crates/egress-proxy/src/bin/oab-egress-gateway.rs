@@ -6,7 +6,8 @@
 //! the API server), so what a worker can reach through the network is this proxy only.
 //!
 //! ```text
-//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles [--listen 0.0.0.0:3128]
+//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles \
+//!     [--secrets /etc/oab-gateway/secrets] [--listen 0.0.0.0:3128]
 //! ```
 //!
 //! It serves until SIGTERM or SIGINT. Exit codes: 0 after a signal, 2 for bad arguments or
@@ -34,9 +35,14 @@ struct Args {
     /// The file holding the key that proxy credentials are derived with (at least 32 bytes).
     #[arg(long)]
     key_file: PathBuf,
-    /// The directory of worker profiles, `NAME.toml` each (their `egress_hosts` are read).
+    /// The directory of worker profiles, `NAME.toml` each (their `egress_hosts` and
+    /// `model_routes` are read).
     #[arg(long)]
     profiles: PathBuf,
+    /// Where the model routes' Secrets are mounted: the credential of `secret = {name, key}`
+    /// is the file `SECRETS/NAME/KEY`, read at each request.
+    #[arg(long, default_value = egress_proxy::gateway::DEFAULT_SECRETS_DIR)]
+    secrets: PathBuf,
 }
 
 fn main() -> ExitCode {
@@ -84,8 +90,9 @@ fn main() -> ExitCode {
             eprintln!("oab-egress-gateway: cannot handle signals");
             return ExitCode::from(1);
         };
-        tracing::info!(listen = %args.listen, profiles = profiles.len(), "egress gateway serving");
-        let gateway = Arc::new(Gateway::new(key, profiles));
+        let routes: usize = profiles.values().map(|profile| profile.model_routes.len()).sum();
+        tracing::info!(listen = %args.listen, profiles = profiles.len(), routes, "egress gateway serving");
+        let gateway = Arc::new(Gateway::new(key, profiles, &args.secrets));
         let serving = tokio::spawn(gateway.serve(listener, stop.clone()));
         tokio::select! {
             _ = terminate.recv() => {}
