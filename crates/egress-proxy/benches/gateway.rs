@@ -23,7 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use egress_proxy::gateway::{profile_egress, Gateway, GatewayKey};
+use egress_proxy::gateway::{Gateway, GatewayKey, ProfileEgress};
+use egress_proxy::Allowlist;
+use session_runtime::config::EgressTarget;
 use session_runtime::SessionIdentity;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -114,12 +116,14 @@ fn bench(c: &mut Criterion) {
     let stop = CancellationToken::new();
     let (destination, gateway) = runtime.block_on(async {
         let destination = service().await;
-        let document = format!("egress_hosts = [\"{destination} loopback\"]\n");
-        let profiles: HashMap<_, _> = [(
-            "work".to_owned(),
-            profile_egress("work", &document).expect("a profile"),
-        )]
-        .into();
+        // A loopback destination, which a profile document may not list (the gateway's loopback
+        // is its own), so the profile is made here.
+        let target = EgressTarget::parse(&format!("{destination} loopback")).expect("an entry");
+        let work = ProfileEgress {
+            allowlist: Allowlist::new(vec![target]),
+            model_routes: Vec::new(),
+        };
+        let profiles: HashMap<_, _> = [("work".to_owned(), work)].into();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let gateway = listener.local_addr().expect("address");
         tokio::spawn(

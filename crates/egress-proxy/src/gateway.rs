@@ -30,6 +30,8 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use session_runtime::config::AddressKind;
+
 use crate::bounds::{self, SessionBounds};
 use crate::routes::{check_routes, ModelRoute, Upstream};
 use crate::{Admission, Admitted, Allowlist, LogSafe, Refusal};
@@ -415,7 +417,8 @@ pub struct ProfilesError {
 ///
 /// [`ProfilesError`] when the document is not TOML, `egress_hosts` is not an array of
 /// destinations [`EgressTarget::parse`](session_runtime::config::EgressTarget::parse) accepts,
-/// each listed once, or `model_routes` are not routes [`check_routes`] accepts.
+/// each listed once and none of them loopback (the gateway's loopback is its own), or
+/// `model_routes` are not routes [`check_routes`] accepts.
 pub fn profile_egress(name: &str, document: &str) -> Result<ProfileEgress, ProfilesError> {
     let error = |key: &str, problem: String| ProfilesError {
         key: format!("profile/{name}{key}"),
@@ -453,6 +456,11 @@ pub fn profile_egress(name: &str, document: &str) -> Result<ProfileEgress, Profi
             session_runtime::config::EgressTarget::parse(entry).map_err(|e| entry_error(e.to_string()))?;
         if targets.contains(&target) {
             return Err(entry_error(format!("{entry:?} is listed twice")));
+        }
+        if target.reach() == AddressKind::Loopback {
+            return Err(entry_error(format!(
+                "{entry:?} is a loopback destination, which at the gateway is the gateway's own"
+            )));
         }
         targets.push(target);
     }

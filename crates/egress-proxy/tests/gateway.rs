@@ -11,7 +11,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use egress_proxy::bounds::MAX_CONNECTIONS;
-use egress_proxy::gateway::{load_profiles, profile_egress, Gateway, GatewayKey, ProxyCredential};
+use egress_proxy::gateway::{
+    load_profiles, profile_egress, Gateway, GatewayKey, ProfileEgress, ProxyCredential,
+};
+use egress_proxy::Allowlist;
+use session_runtime::config::EgressTarget;
 use session_runtime::{SessionId, SessionIdentity};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -82,10 +86,19 @@ impl Drop for Running {
     }
 }
 
-/// A gateway serving profile `work` whose `egress_hosts` are `hosts`.
+/// A gateway serving profile `work` whose egress entries are `hosts`. They are loopback
+/// destinations, the only ones this test may open, which a profile document may not list (at a
+/// real gateway, loopback is the gateway's own), so the profile is made here rather than read.
 async fn gateway(key: &GatewayKey, hosts: &[String]) -> Running {
-    let document = format!("image = \"w\"\negress_hosts = {hosts:?}\n");
-    serve(key, &[("work", &document)], Path::new("/nonexistent")).await
+    let targets = hosts
+        .iter()
+        .map(|host| EgressTarget::parse(host).expect("an egress entry"))
+        .collect();
+    let work = ProfileEgress {
+        allowlist: Allowlist::new(targets),
+        model_routes: Vec::new(),
+    };
+    start(key, [("work".to_owned(), work)].into(), Path::new("/nonexistent")).await
 }
 
 /// A gateway serving `profiles` (name and TOML document), its routes' Secrets under `secrets`.
@@ -99,6 +112,10 @@ async fn serve(key: &GatewayKey, profiles: &[(&str, &str)], secrets: &Path) -> R
             )
         })
         .collect();
+    start(key, profiles, secrets).await
+}
+
+async fn start(key: &GatewayKey, profiles: HashMap<String, ProfileEgress>, secrets: &Path) -> Running {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let stop = CancellationToken::new();
@@ -343,6 +360,11 @@ fn a_profiles_egress_hosts_are_refused_naming_the_key_and_the_rest_left_to_the_r
             "twice",
         ),
         ("egress_hosts = [443]\n", "profile/work.egress_hosts", "entry 1:"),
+        (
+            "egress_hosts = [\"localhost:8080\"]\n",
+            "profile/work.egress_hosts",
+            "the gateway's own",
+        ),
         ("egress_hosts = [", "profile/work", ""),
         (
             "[[model_routes]]\nprefix = \"openai\"\nupstream = \"https://a.example\"\nheader = \"Authorization\"\n\

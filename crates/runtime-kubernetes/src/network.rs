@@ -9,21 +9,17 @@
 //! no rule, which allows nothing: removing an allowance from the profile removes it from the
 //! cluster at the next start.
 //!
-//! A profile that names an `egress_gateway` also allows its workers the gateway's Pods (label
-//! [`GATEWAY_NAME`] in the sessions namespace) on the gateway's port, which its Pods must listen
-//! on as its Service does: NetworkPolicy judges the Pod a Service address leads to.
+//! The egress gateway is not among them: every worker may reach its Pods on their port, by the
+//! administrator's policy `oab-workers` (`deploy/kubernetes/networkpolicy.yaml`), and the
+//! admission policy lets the broker write address blocks only, never a Pod selector.
 
 use k8s_openapi::api::networking::v1::{
-    IPBlock, NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
+    IPBlock, NetworkPolicy, NetworkPolicyEgressRule, NetworkPolicyPeer, NetworkPolicySpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement, ObjectMeta};
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::names;
 use crate::profile::WorkerProfile;
-
-/// The `app.kubernetes.io/name` label of the egress gateway's Pods (`deploy/kubernetes/`).
-pub(crate) const GATEWAY_NAME: &str = "openab-egress-gateway";
 
 /// The field manager of the runtime's server-side applies.
 pub(crate) const FIELD_MANAGER: &str = "openab-broker";
@@ -58,24 +54,6 @@ pub(crate) fn egress_policy(profile: &WorkerProfile, installation: &str) -> Netw
         rules.push(NetworkPolicyEgressRule {
             to: Some(peers),
             ports: None,
-        });
-    }
-    if let Some(gateway) = &profile.egress_gateway {
-        rules.push(NetworkPolicyEgressRule {
-            to: Some(vec![NetworkPolicyPeer {
-                pod_selector: Some(LabelSelector {
-                    match_labels: Some(
-                        [("app.kubernetes.io/name".to_owned(), GATEWAY_NAME.to_owned())].into(),
-                    ),
-                    match_expressions: None,
-                }),
-                ..NetworkPolicyPeer::default()
-            }]),
-            ports: Some(vec![NetworkPolicyPort {
-                protocol: Some("TCP".to_owned()),
-                port: Some(IntOrString::Int(i32::from(gateway.port()))),
-                end_port: None,
-            }]),
         });
     }
     NetworkPolicy {
@@ -149,32 +127,18 @@ mod tests {
             Some(Vec::new()),
             "no rule: nothing more allowed"
         );
-    }
-
-    #[test]
-    fn a_profile_with_a_gateway_allows_the_gateways_pods_on_its_port_only() {
-        let document = "image = \"w\"\nagent = [\"/a\"]\negress_gateway = \"10.96.0.50:3128\"\n\
-                        egress_hosts = [\"github.com:443\"]\n";
-        let profile = WorkerProfile::from_toml("coder", "9", document).expect("a profile");
-        let rules = egress_policy(&profile, "prod")
-            .spec
-            .and_then(|spec| spec.egress)
-            .expect("rules");
-        assert_eq!(rules.len(), 1, "{rules:?}");
-        let peers = rules[0].to.clone().expect("peers");
-        let labels = peers[0]
-            .pod_selector
-            .as_ref()
-            .and_then(|selector| selector.match_labels.clone())
-            .expect("a Pod selector");
+        // The gateway is the administrator's policy's to allow (a Pod selector, which the
+        // admission policy refuses from the broker): a profile naming one adds no rule.
+        let gateway = WorkerProfile::from_toml(
+            "coder",
+            "9",
+            "image = \"w\"\nagent = [\"/a\"]\negress_gateway = \"10.96.0.50:3128\"\n\
+             egress_hosts = [\"github.com:443\"]\n",
+        )
+        .expect("a profile");
         assert_eq!(
-            labels.get("app.kubernetes.io/name").map(String::as_str),
-            Some(GATEWAY_NAME)
+            egress_policy(&gateway, "prod").spec.and_then(|s| s.egress),
+            Some(Vec::new())
         );
-        assert!(peers[0].namespace_selector.is_none() && peers[0].ip_block.is_none());
-        let ports = rules[0].ports.clone().expect("ports");
-        assert_eq!(ports.len(), 1);
-        assert_eq!(ports[0].port, Some(IntOrString::Int(3128)));
-        assert_eq!(ports[0].protocol.as_deref(), Some("TCP"));
     }
 }

@@ -80,7 +80,7 @@ use egress_proxy::routes::{check_routes, ModelRoute};
 use k8s_openapi::api::core::v1::ConfigMap;
 use serde::Deserialize;
 use session_runtime::config::{
-    self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration, EgressTarget,
+    self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration, AddressKind, EgressTarget,
 };
 use session_runtime::{Error, Retention, RetentionPolicy};
 
@@ -407,6 +407,16 @@ impl WorkerProfile {
                         "entry {}: {host} is already listed by entry {}; list each destination once",
                         index + 1,
                         earlier + 1
+                    ),
+                ));
+            }
+            if host.reach() == AddressKind::Loopback {
+                return Err(self.invalid(
+                    "egress_hosts",
+                    format!(
+                        "entry {}: {host} is a loopback destination, which at the gateway is the \
+                         gateway's own",
+                        index + 1
                     ),
                 ));
             }
@@ -1761,6 +1771,9 @@ mod tests {
             "github.com:0",
             "https://github.com",
             "github.com:443 everywhere",
+            "localhost:8080",
+            "127.0.0.1:8080",
+            "cache.internal:8080 loopback",
         ] {
             assert_refused(
                 &format!("egress_gateway = \"gw:3128\"\negress_hosts = [\"{bad}\"]\n"),

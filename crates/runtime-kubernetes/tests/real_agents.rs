@@ -15,24 +15,18 @@ mod common;
 
 use std::time::Duration;
 
+use common::agents::{codex, one_turn, shell, FakeModel, AGENT_IMAGE};
 use common::{runtime, AdminConfigMap, DeleteOnDrop};
-use serde_json::Value;
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{
-    CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SuspendReason, WorkerExit,
+    CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason, WorkerExit,
 };
-use test_cluster::k8s_openapi::api::core::v1::{Pod, Probe, Secret, TCPSocketAction};
-use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use test_cluster::kube::api::{ListParams, ObjectMeta, PostParams};
+use test_cluster::k8s_openapi::api::core::v1::Secret;
+use test_cluster::kube::api::{ObjectMeta, PostParams};
 use test_cluster::kube::Api;
-use test_cluster::{exec, restricted_pod, unique_name, wait_until, TestCluster, TestNamespace};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use test_cluster::{wait_until, TestCluster};
 
-/// `deploy/worker/Dockerfile`'s image, as `e2e/images/build agent-worker` makes it.
-const AGENT_IMAGE: &str = "openab.dev/agent-worker:test";
-/// What the fake model answers.
-const ANSWER: &str = "pong from the fake model";
 /// The Secret keys the admission policy of the test cluster lets workers read
 /// (`e2e/manifests/test-cluster`), one per test so that tests running at once never share one.
 const MODEL_KEY_SECRETS: [&str; 3] = [
@@ -40,82 +34,6 @@ const MODEL_KEY_SECRETS: [&str; 3] = [
     "oab-test-model-python",
     "oab-test-model-crash",
 ];
-
-/// The fake model in a Pod on the bridge, in a namespace of its own (as a model service outside
-/// the sessions namespace, whose default-deny policy would refuse its clients), deleted when
-/// dropped.
-struct FakeModel {
-    ip: String,
-    _namespace: TestNamespace,
-}
-
-impl FakeModel {
-    async fn start(cluster: &TestCluster, purpose: &str) -> FakeModel {
-        let name = unique_name(purpose);
-        let script = include_str!("fixtures/fake_model.py");
-        let mut pod = restricted_pod(&name, AGENT_IMAGE, &["python3", "-c", script]);
-        let container = &mut pod.spec.as_mut().expect("spec").containers[0];
-        container.readiness_probe = Some(Probe {
-            tcp_socket: Some(TCPSocketAction {
-                port: IntOrString::Int(8000),
-                host: None,
-            }),
-            period_seconds: Some(1),
-            ..Probe::default()
-        });
-        let namespace = cluster.fresh_namespace("fake-model").await;
-        let pods: Api<Pod> = Api::namespaced(cluster.admin(), namespace.name());
-        pods.create(&PostParams::default(), &pod)
-            .await
-            .expect("create the fake model's Pod");
-        let ip = wait_until(
-            "the fake model's Pod to be ready",
-            Duration::from_secs(90),
-            || async {
-                let pod = pods.get(&name).await.ok()?;
-                let status = pod.status?;
-                let ready = status
-                    .conditions?
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                ready.then_some(status.pod_ip?)
-            },
-        )
-        .await;
-        FakeModel {
-            ip,
-            _namespace: namespace,
-        }
-    }
-
-    /// The model's base URL as an agent is given it.
-    fn base_url(&self) -> String {
-        format!("http://{}:8000/v1", self.ip)
-    }
-
-    /// `GET /stats` from this host (which may open connections into Pods): requests served and
-    /// streams open.
-    async fn stats(&self) -> (u64, u64) {
-        let mut stream = tokio::net::TcpStream::connect((self.ip.as_str(), 8000))
-            .await
-            .expect("connect to the fake model");
-        stream
-            .write_all(b"GET /stats HTTP/1.1\r\nHost: model\r\nConnection: close\r\n\r\n")
-            .await
-            .expect("ask for the fake model's stats");
-        let mut response = String::new();
-        stream
-            .read_to_string(&mut response)
-            .await
-            .expect("read the fake model's stats");
-        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-        let stats: Value = serde_json::from_str(body).expect("stats are JSON");
-        (
-            stats["served"].as_u64().unwrap_or_default(),
-            stats["streaming"].as_u64().unwrap_or_default(),
-        )
-    }
-}
 
 /// Secret `name` with the model's API key under `api_key`, deleted when dropped.
 async fn model_key(cluster: &TestCluster, name: &str) -> DeleteOnDrop {
@@ -164,25 +82,6 @@ key = "api_key"
     )
 }
 
-/// codex-acp pointed at `model`'s Responses API, as "Run your agent" configures it.
-fn codex(model: &FakeModel) -> Vec<String> {
-    let provider = format!(
-        "model_providers.fake={{name=\"fake\",base_url=\"{}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\"}}",
-        model.base_url()
-    );
-    [
-        "/usr/local/bin/codex-acp",
-        "-c",
-        "model_provider=\"fake\"",
-        "-c",
-        &provider,
-        "-c",
-        "model=\"gpt-fake\"",
-    ]
-    .map(str::to_owned)
-    .to_vec()
-}
-
 /// A session of `installation` under a profile running `agent`, made fresh: what a failed earlier
 /// run left of it is closed first. Returns the runtime, the identity and the profile's guard.
 async fn fresh_session(
@@ -208,45 +107,6 @@ async fn fresh_session(
     (runtime, identity, profile)
 }
 
-/// The session's running worker Pod.
-async fn worker_pod(cluster: &TestCluster, id: &SessionId) -> String {
-    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
-    let listed = pods
-        .list(&ListParams::default().labels(&format!("openab.dev/session={id}")))
-        .await
-        .expect("list the session's Pods");
-    listed
-        .into_iter()
-        .find(|pod| pod.metadata.deletion_timestamp.is_none())
-        .and_then(|pod| pod.metadata.name)
-        .expect("the session has a worker Pod")
-}
-
-/// Runs `script` with `/bin/sh -c` in the session's worker (the agent's container) and returns
-/// its standard output.
-async fn shell(cluster: &TestCluster, id: &SessionId, script: &str) -> String {
-    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
-    let name = worker_pod(cluster, id).await;
-    let output = exec(&pods, &name, &["/bin/sh", "-c", script]).await;
-    assert!(output.success, "{script}: {}", output.stderr);
-    output.stdout
-}
-
-/// `initialize`, `session/new` in the attachment's working directory, and one prompt turn, whose
-/// text it returns after checking that it ended normally with the model's answer.
-async fn one_turn(client: &AcpClient, prompt: &str) -> String {
-    client.initialize().await.expect("initialize");
-    let session = client
-        .new_session(client.working_dir())
-        .await
-        .expect("session/new");
-    let outcome = client.prompt(&session, prompt).await.expect("session/prompt");
-    let text = outcome.chunks.concat();
-    assert_eq!(outcome.stop_reason, "end_turn", "{text}");
-    assert!(text.contains(ANSWER), "the turn's answer: {text:?}");
-    text
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn codex_acp_completes_turns_in_a_pod_keeps_its_state_across_resume_and_cancels() {
@@ -257,7 +117,7 @@ async fn codex_acp_completes_turns_in_a_pod_keeps_its_state_across_resume_and_ca
     let (runtime, identity, _profile) = fresh_session(
         &cluster,
         installation,
-        &codex(&model),
+        &codex(&model.base_url()),
         &model,
         MODEL_KEY_SECRETS[0],
         Reach::Exec,
@@ -394,7 +254,7 @@ async fn an_agent_that_cannot_start_says_why_in_its_own_words() {
     let cluster = TestCluster::connect().await;
     let model = FakeModel::start(&cluster, "model-crash").await;
     let _key = model_key(&cluster, MODEL_KEY_SECRETS[2]).await;
-    let mut agent = codex(&model);
+    let mut agent = codex(&model.base_url());
     agent.push("--no-such-flag".to_owned());
     let (runtime, identity, _profile) = fresh_session(
         &cluster,

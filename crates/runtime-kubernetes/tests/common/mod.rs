@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+pub mod agents;
 pub mod network;
 
 use runtime_kubernetes::profile::PROFILE_KEY;
