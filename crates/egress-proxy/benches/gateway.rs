@@ -6,7 +6,9 @@
 //!
 //! - `direct`: to the destination itself (the baseline);
 //! - `plain`: through the gateway as an absolute-form `GET` with the session's credential;
-//! - `connect`: through a `CONNECT` tunnel of the gateway, then the `GET` inside it.
+//! - `connect`: through a `CONNECT` tunnel of the gateway, then the `GET` inside it;
+//! - `route`: to a model route of the gateway (`GET /model/` with the session's route key), which
+//!   reads the route's Secret from its file and forwards the request with it.
 //!
 //! Then 100 tunnels, ten of each of ten sessions (a session may hold 64), are opened and held, and the process's resident memory is
 //! read before and with them (`/proc/self/statm`): the gateway runs in this process, so the
@@ -24,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use egress_proxy::gateway::{Gateway, GatewayKey, ProfileEgress};
+use egress_proxy::routes::{ModelRoute, SecretKey};
 use egress_proxy::Allowlist;
 use session_runtime::config::EgressTarget;
 use session_runtime::SessionIdentity;
@@ -31,6 +34,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
+/// The ways a request is made.
+const MODES: [&str; 4] = ["direct", "plain", "connect", "route"];
 /// How many tunnels are held open for the memory figure.
 const HELD: usize = 100;
 
@@ -55,14 +60,28 @@ async fn service() -> SocketAddr {
     address
 }
 
-/// One request to `destination`: directly, or through `gateway` as `plain` or `connect`.
-async fn request(mode: &str, destination: SocketAddr, gateway: SocketAddr, credential: &str) {
+/// The session's credential, both ways it is presented.
+struct Credential {
+    /// `Proxy-Authorization`'s value.
+    proxy: String,
+    /// The model route's key.
+    route_key: String,
+}
+
+/// One request to `destination`: directly, or through `gateway` as `plain`, `connect` or
+/// `route`.
+async fn request(mode: &str, destination: SocketAddr, gateway: SocketAddr, credential: &Credential) {
+    let proxy = &credential.proxy;
     let head = match mode {
         "direct" => format!("GET / HTTP/1.1\r\nHost: {destination}\r\n\r\n"),
         "plain" => format!(
-            "GET http://{destination}/ HTTP/1.1\r\nHost: {destination}\r\nProxy-Authorization: {credential}\r\n\r\n"
+            "GET http://{destination}/ HTTP/1.1\r\nHost: {destination}\r\nProxy-Authorization: {proxy}\r\n\r\n"
         ),
-        _ => format!("CONNECT {destination} HTTP/1.1\r\nProxy-Authorization: {credential}\r\n\r\n"),
+        "route" => format!(
+            "GET /model/ HTTP/1.1\r\nHost: {gateway}\r\nAuthorization: Bearer {}\r\n\r\n",
+            credential.route_key
+        ),
+        _ => format!("CONNECT {destination} HTTP/1.1\r\nProxy-Authorization: {proxy}\r\n\r\n"),
     };
     let to = if mode == "direct" { destination } else { gateway };
     let stream = TcpStream::connect(to).await.expect("connect");
@@ -114,42 +133,52 @@ fn bench(c: &mut Criterion) {
     );
     let key = GatewayKey::new([3u8; 32]);
     let stop = CancellationToken::new();
+    let secrets = tempfile::tempdir().expect("a Secrets directory");
+    std::fs::create_dir(secrets.path().join("model-keys")).expect("a Secret");
+    std::fs::write(secrets.path().join("model-keys/model"), "sk-bench\n").expect("a key");
     let (destination, gateway) = runtime.block_on(async {
         let destination = service().await;
         // A loopback destination, which a profile document may not list (the gateway's loopback
         // is its own), so the profile is made here.
         let target = EgressTarget::parse(&format!("{destination} loopback")).expect("an entry");
+        let route = ModelRoute {
+            prefix: "/model/".to_owned(),
+            upstream: format!("http://{destination}"),
+            header: "Authorization".to_owned(),
+            secret: SecretKey {
+                name: "model-keys".to_owned(),
+                key: "model".to_owned(),
+            },
+            base_url_env: None,
+            key_env: None,
+        };
         let work = ProfileEgress {
             allowlist: Allowlist::new(vec![target]),
-            model_routes: Vec::new(),
+            model_routes: vec![route],
         };
         let profiles: HashMap<_, _> = [("work".to_owned(), work)].into();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let gateway = listener.local_addr().expect("address");
         tokio::spawn(
-            Arc::new(Gateway::new(
-                key.clone(),
-                profiles,
-                std::path::Path::new("/nonexistent"),
-            ))
-            .serve(listener, stop.clone()),
+            Arc::new(Gateway::new(key.clone(), profiles, secrets.path())).serve(listener, stop.clone()),
         );
         (destination, gateway)
     });
     let id = SessionIdentity::new("bench", "agent", "gateway", "one")
         .expect("identity")
         .id();
-    let credential = key.credential(id, "work").header_value();
-    let samples: HashMap<&str, Arc<Mutex<Vec<Duration>>>> = ["direct", "plain", "connect"]
-        .into_iter()
-        .map(|mode| (mode, Arc::default()))
-        .collect();
+    let credential = Arc::new(Credential {
+        proxy: key.credential(id, "work").header_value(),
+        route_key: key.credential(id, "work").route_key(),
+    });
+    let samples: HashMap<&str, Arc<Mutex<Vec<Duration>>>> =
+        MODES.into_iter().map(|mode| (mode, Arc::default())).collect();
     let mut group = c.benchmark_group("gateway_request");
     group.sample_size(100).measurement_time(Duration::from_secs(5));
-    for mode in ["direct", "plain", "connect"] {
+    for mode in MODES {
         let into = Arc::clone(&samples[mode]);
         let runtime = Arc::clone(&runtime);
-        let credential = credential.clone();
+        let credential = Arc::clone(&credential);
         group.bench_function(mode, move |b| {
             b.iter_custom(|iterations| {
                 runtime.block_on(async {
@@ -168,7 +197,7 @@ fn bench(c: &mut Criterion) {
     }
     group.finish();
     let direct = median(&mut samples["direct"].lock().expect("samples"));
-    for mode in ["direct", "plain", "connect"] {
+    for mode in MODES {
         let mut taken = samples[mode].lock().expect("samples");
         let count = taken.len();
         let took = median(&mut taken);
