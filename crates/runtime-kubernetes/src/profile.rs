@@ -1921,11 +1921,6 @@ mod tests {
     fn the_real_agent_examples_are_valid_profiles_with_their_key_from_a_secret() {
         let examples = [
             (
-                include_str!("../../../deploy/kubernetes/agents/codex.yaml"),
-                "codex-acp",
-                "OPENAI_API_KEY",
-            ),
-            (
                 include_str!("../../../deploy/kubernetes/agents/claude-code.yaml"),
                 "claude-code-acp",
                 "ANTHROPIC_API_KEY",
@@ -1945,6 +1940,29 @@ mod tests {
             assert!(profile.env.iter().any(|env| env.name == key), "{agent}: {key}");
             assert!(!profile.egress.is_empty(), "{agent}: an egress entry");
         }
+        // codex's goes through the gateway, whose model route holds the key: the worker gets
+        // neither the Secret nor a way past the gateway.
+        let codex = WorkerProfile::from_toml(
+            NAME,
+            "1",
+            &profile_block(include_str!("../../../deploy/kubernetes/agents/codex.yaml")),
+        )
+        .unwrap_or_else(|error| panic!("the codex-acp example: {error}"));
+        assert!(codex.image.contains("@sha256:"), "codex-acp: pinned by digest");
+        assert!(codex.env.is_empty() && codex.egress.is_empty(), "{codex:?}");
+        let gateway = codex.egress_gateway.as_ref().expect("a gateway").authority();
+        let [route] = codex.model_routes.as_slice() else {
+            panic!("one model route: {:?}", codex.model_routes)
+        };
+        assert_eq!(route.key_env.as_deref(), Some("OPENAI_API_KEY"));
+        assert!(
+            codex
+                .agent
+                .iter()
+                .any(|arg| arg.contains(&format!("base_url=\"{}\"", route.base_url(&gateway)))),
+            "codex-acp's base URL is the route's: {:?}",
+            codex.agent
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! model address), with `networkpolicy.yaml`'s worker policy enforced by the test node's policy
 //! engine:
 //!
-//! - codex-acp in a worker Pod completes a prompt turn through the profile's model route against
+//! - codex-acp in a worker Pod, under `deploy/kubernetes/agents/codex.yaml`'s profile (adapted only
+//!   where an operator adapts it), completes a prompt turn through the profile's model route against
 //!   a fake OpenAI-compatible model that answers only the Secret's key, which the worker never
 //!   holds: a probe from a shell in the worker finds it in no process's environment or command
 //!   line, in HOME, the workspace or /tmp (and finds the session's own route key there, the
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::agents::{codex, one_turn, worker_pod, FakeModel, AGENT_IMAGE};
+use common::agents::{one_turn, worker_pod, FakeModel, AGENT_IMAGE};
 use common::{builder, AdminConfigMap, DeleteOnDrop};
 use egress_proxy::gateway::GatewayKey;
 use session_runtime::config::Reach;
@@ -204,40 +205,46 @@ async fn secret(cluster: &TestCluster, name: &str, data: &[(&str, &[u8])]) -> De
     DeleteOnDrop::new::<Secret>(cluster, cluster.sessions_namespace(), name)
 }
 
-/// What the gateway reads of the profile, and what the broker reads besides once the gateway's
-/// address is known.
-fn profile_document(model_ip: &str, gateway: Option<&str>) -> String {
-    let mut document = format!(
-        r#"egress_hosts = ["model.internal:{MODEL_PORT} private", "shadow.internal:{MODEL_PORT}", "loop.internal:{MODEL_PORT}"]
+/// The gateway's address in `deploy/kubernetes/agents/codex.yaml`, which an operator replaces.
+const DOCUMENTED_GATEWAY: &str = "10.96.0.50:3128";
 
-[[model_routes]]
-prefix = "/openai/"
-upstream = "http://{model_ip}:{MODEL_PORT}/v1"
-header = "Authorization"
-secret = {{ name = "{MODEL_SECRET}", key = "openai" }}
-key_env = "OPENAI_API_KEY"
-"#
-    );
-    if let Some(gateway) = gateway {
-        let agent = codex(&format!("http://{gateway}/openai"));
-        document = format!(
-            r#"image = "{AGENT_IMAGE}"
-image_pull_policy = "Never"
-agent = {agent:?}
-termination_grace = "2s"
-egress_gateway = "{gateway}"
-{document}
-[resources]
-memory_limit = "512Mi"
-
-[storage]
-kind = "per-session"
-class = "openab-test-local"
-size = "1Gi"
-"#
-        );
+/// `deploy/kubernetes/agents/codex.yaml`'s profile, as an operator adapts it to this cluster: the
+/// gateway's address (`gateway`; the documented placeholder until it is known), the model's
+/// address and Secret, and this cluster's image, storage and limits; plus destinations for the
+/// refusals (`egress_hosts`). Everything else (codex's arguments, the route's prefix, header and
+/// key variable) is the file's.
+fn codex_profile(model_ip: &str, gateway: &str) -> String {
+    let manifest = include_str!("../../../deploy/kubernetes/agents/codex.yaml");
+    let block: String = manifest
+        .lines()
+        .skip_while(|line| line.trim() != "profile.toml: |")
+        .skip(1)
+        .map(|line| format!("{}\n", line.strip_prefix("    ").unwrap_or(line)))
+        .collect();
+    let mut text = block;
+    for (documented, here) in [
+        (DOCUMENTED_GATEWAY, gateway.to_owned()),
+        ("https://api.openai.com/v1", format!("http://{model_ip}:{MODEL_PORT}/v1")),
+        ("codex-model-keys", MODEL_SECRET.to_owned()),
+    ] {
+        assert!(text.contains(documented), "codex.yaml no longer holds {documented}");
+        text = text.replace(documented, &here);
     }
-    document
+    let mut profile: toml::Table = text.parse().expect("codex.yaml's profile is TOML");
+    let cluster: toml::Table = format!(
+        r#"
+image = "{AGENT_IMAGE}"
+image_pull_policy = "Never"
+termination_grace = "2s"
+egress_hosts = ["model.internal:{MODEL_PORT} private", "shadow.internal:{MODEL_PORT}", "loop.internal:{MODEL_PORT}"]
+resources = {{ memory_limit = "512Mi" }}
+storage = {{ kind = "per-session", class = "openab-test-local", size = "1Gi" }}
+"#
+    )
+    .parse()
+    .expect("TOML");
+    profile.extend(cluster);
+    toml::to_string(&profile).expect("a profile")
 }
 
 /// Where `needle` is, seen from a shell in the session's worker: the environment and command
@@ -355,7 +362,13 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
     let _model_secret = secret(&cluster, MODEL_SECRET, &[("openai", model_key.as_bytes())]).await;
     let key = random_bytes(32);
     let _key_secret = secret(&cluster, "oab-egress-gateway-key", &[("key", &key)]).await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, &profile_document(&model.ip, None)).await;
+    // The gateway reads only the profile's destinations and routes, which do not name it.
+    let profile = AdminConfigMap::profile(
+        &cluster,
+        &installation,
+        &codex_profile(&model.ip, DOCUMENTED_GATEWAY),
+    )
+    .await;
     let deployed = DeployedGateway::apply(&namespace, &installation, &model.ip);
 
     let services: Api<Service> = Api::namespaced(cluster.admin(), &namespace);
@@ -371,7 +384,7 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
     let profile = AdminConfigMap::profile(
         &cluster,
         profile.name(),
-        &profile_document(&model.ip, Some(&gateway)),
+        &codex_profile(&model.ip, &gateway),
     )
     .await;
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), &namespace);
