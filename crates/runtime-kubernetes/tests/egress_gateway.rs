@@ -30,7 +30,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::agents::{one_turn, worker_pod, FakeModel, AGENT_IMAGE};
-use common::{builder, AdminConfigMap, DeleteOnDrop};
+use common::{builder, kubectl, AdminConfigMap, DeleteOnDrop};
 use egress_proxy::gateway::GatewayKey;
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
@@ -50,19 +50,6 @@ const MODEL_SECRET: &str = "oab-test-gateway-model";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn kubectl(args: &[&str]) {
-    let output = Command::new("kubectl")
-        .args(args)
-        .output()
-        .expect("kubectl (scripts/cluster env puts it on PATH)");
-    assert!(
-        output.status.success(),
-        "kubectl {args:?}: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 /// The workspace's debug `oab-egress-gateway`, refused when older than any of its sources.
@@ -224,10 +211,16 @@ fn codex_profile(model_ip: &str, gateway: &str) -> String {
     let mut text = block;
     for (documented, here) in [
         (DOCUMENTED_GATEWAY, gateway.to_owned()),
-        ("https://api.openai.com/v1", format!("http://{model_ip}:{MODEL_PORT}/v1")),
+        (
+            "https://api.openai.com/v1",
+            format!("http://{model_ip}:{MODEL_PORT}/v1"),
+        ),
         ("codex-model-keys", MODEL_SECRET.to_owned()),
     ] {
-        assert!(text.contains(documented), "codex.yaml no longer holds {documented}");
+        assert!(
+            text.contains(documented),
+            "codex.yaml no longer holds {documented}"
+        );
         text = text.replace(documented, &here);
     }
     let mut profile: toml::Table = text.parse().expect("codex.yaml's profile is TOML");
@@ -381,12 +374,8 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
         .expect("a cluster IP");
     // Workers have no DNS: they reach the gateway by its Service's address.
     let gateway = format!("{service_ip}:{GATEWAY_PORT}");
-    let profile = AdminConfigMap::profile(
-        &cluster,
-        profile.name(),
-        &codex_profile(&model.ip, &gateway),
-    )
-    .await;
+    let profile =
+        AdminConfigMap::profile(&cluster, profile.name(), &codex_profile(&model.ip, &gateway)).await;
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), &namespace);
     wait_until(
         "both gateway replicas to be ready",

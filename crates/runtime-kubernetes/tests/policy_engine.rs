@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::network::{worker, Outcome, TestPod};
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{kubectl, runtime, AdminConfigMap, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{CloseReason, SessionRuntime};
 use test_cluster::{unique_name, wait_until, TestCluster};
@@ -21,18 +20,6 @@ const POLICIES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../deploy/kubernetes/networkpolicy.yaml"
 );
-
-fn kubectl(args: &[&str]) {
-    let output = Command::new("kubectl")
-        .args(args)
-        .output()
-        .expect("kubectl (scripts/cluster env puts it on PATH)");
-    assert!(
-        output.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
 
 /// Applies the deploy files' policies back when dropped, also when the test panics.
 struct Restore;

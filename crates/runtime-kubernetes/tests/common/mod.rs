@@ -76,6 +76,21 @@ impl AdminConfigMap {
     }
 }
 
+/// Runs `kubectl` (on PATH by `scripts/cluster env`, with the administrator's kubeconfig) and
+/// fails the test if it fails.
+pub fn kubectl(args: &[&str]) {
+    let output = std::process::Command::new("kubectl")
+        .args(args)
+        .output()
+        .expect("kubectl (scripts/cluster env puts it on PATH)");
+    assert!(
+        output.status.success(),
+        "kubectl {args:?}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// A runtime builder for `installation` with the broker's identity, the profile and the reach.
 pub fn builder(
     cluster: &TestCluster,
