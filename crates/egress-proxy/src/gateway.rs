@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use session_runtime::config::AddressKind;
 
+use crate::accept::{accept_loop, Limits};
 use crate::bounds::{self, SessionBounds};
 use crate::routes::{check_routes, ModelRoute, Upstream};
 use crate::{Admission, Admitted, Allowlist, LogSafe, Refusal};
@@ -235,41 +236,26 @@ impl Gateway {
     /// at most [`MAX_GATEWAY_CONNECTIONS`] at once.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, stop: CancellationToken) {
         let open = Arc::new(Semaphore::new(MAX_GATEWAY_CONNECTIONS));
-        loop {
-            let accepted = tokio::select! {
-                () = stop.cancelled() => return,
-                accepted = listener.accept() => accepted,
-            };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) if bounds::accept_exhausted(&error) => {
-                    self.refused(&format!("cannot accept a connection now, waiting: {error}"));
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(bounds::ACCEPT_BACKOFF) => continue,
-                    }
-                }
-                Err(_) => continue,
-            };
-            let Ok(permit) = Arc::clone(&open).try_acquire_owned() else {
-                // Never waits: a client that does not read its answer just loses it.
-                let _ = stream.try_write(bounds::OVER_LIMIT);
-                self.refused(&format!(
-                    "the gateway has {MAX_GATEWAY_CONNECTIONS} connections open, its limit"
-                ));
-                // A connect flood costs at most one accept per pause.
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(bounds::REFUSAL_PAUSE) => continue,
-                }
-            };
+        let limits = Limits {
+            take: move || {
+                Arc::clone(&open).try_acquire_owned().map_err(|_| {
+                    format!("the gateway has {MAX_GATEWAY_CONNECTIONS} connections open, its limit")
+                })
+            },
+            refused: {
+                let gateway = Arc::clone(&self);
+                move |reason: &str| gateway.refused(reason)
+            },
+            answer_http: true,
+        };
+        accept_loop(listener, stop, limits, move |stream, permit, stop| {
             let admission: Arc<dyn Admission> = Arc::clone(&self) as Arc<dyn Admission>;
-            let stop = stop.clone();
-            tokio::spawn(async move {
+            async move {
                 let _permit = permit;
                 crate::serve_connection(stream, admission, stop).await;
-            });
-        }
+            }
+        })
+        .await;
     }
 
     /// The session `request`'s credential names, if its token is the one the key gives it: a

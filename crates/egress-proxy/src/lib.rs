@@ -19,6 +19,7 @@
 
 use http::StatusCode;
 
+pub mod accept;
 pub mod allowlist;
 pub mod bounds;
 pub mod gateway;

@@ -33,6 +33,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use egress_proxy::accept::{accept_loop, Limits};
 use egress_proxy::bounds;
 use egress_proxy::{Allowlist, ConnectionSlot, OneSession, SessionBounds};
 use session_runtime::config::EgressTarget;
@@ -229,10 +230,8 @@ impl EgressProxy {
 }
 
 /// Accepts connections on `listener` until `stop`, handing each to `handle` with its place
-/// among the session's connections (`handle` keeps it as long as the connection lasts, and ends
-/// at `stop`), within the session's `bounds`: a connection beyond them is refused at once
-/// (answered `503` first when `http`), and a shortage of descriptors or memory makes the loop
-/// wait rather than spin.
+/// among the session's connections, within the session's `bounds` (a connection beyond them is
+/// answered `503` first when `http`).
 async fn serve<F, Fut>(
     listener: UnixListener,
     stop: CancellationToken,
@@ -243,46 +242,22 @@ async fn serve<F, Fut>(
     F: Fn(UnixStream, ConnectionSlot, CancellationToken) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    loop {
-        let accepted = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(error) if bounds::accept_exhausted(&error) => {
-                bounds.refuse(None, &format!("cannot accept a connection now, waiting: {error}"));
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(bounds::ACCEPT_BACKOFF) => continue,
-                }
+    let limits = Limits {
+        take: {
+            let bounds = Arc::clone(&bounds);
+            move || {
+                bounds.connection().ok_or_else(|| {
+                    format!(
+                        "the session has {} connections open through its proxy, its limit",
+                        bounds::MAX_CONNECTIONS
+                    )
+                })
             }
-            // The client went away before its connection was accepted; nothing is held.
-            Err(_) => continue,
-        };
-        let Some(slot) = bounds.connection() else {
-            if http {
-                // Never waits: a client that does not read its answer just loses it.
-                let _ = stream.try_write(bounds::OVER_LIMIT);
-            }
-            drop(stream);
-            bounds.refuse(
-                None,
-                &format!(
-                    "the session has {} connections open through its proxy, its limit",
-                    bounds::MAX_CONNECTIONS
-                ),
-            );
-            // A flood costs the broker at most one accept per pause: a session's agent that
-            // opens connections in a loop cannot make the broker spin for it. Only this
-            // session's new connections wait (in the kernel's queue) meanwhile.
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(bounds::REFUSAL_PAUSE) => continue,
-            }
-        };
-        tokio::spawn(handle(stream, slot, stop.clone()));
-    }
+        },
+        refused: move |reason: &str| bounds.refuse(None, reason),
+        answer_http: http,
+    };
+    accept_loop(listener, stop, limits, handle).await;
 }
 
 /// Joins a connection of the session's to the listed loopback destination `address` on the
