@@ -27,6 +27,7 @@ mod clone_source;
 pub mod controller;
 pub mod leader;
 mod loss;
+mod metered;
 mod names;
 mod network;
 mod pod;
@@ -46,6 +47,7 @@ pub use controller::{Controller, ControllerEvent};
 /// The kube-rs version this crate speaks, for building a [`kube::Client`] to hand it.
 pub use kube;
 pub use leader::{LeaderElection, Term};
+pub use metered::metered_client;
 pub use runtime::{KubernetesRuntime, KubernetesRuntimeBuilder};
 
 /// The name this runtime reports in errors and logs.

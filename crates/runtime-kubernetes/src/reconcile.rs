@@ -6,7 +6,7 @@
 //! decide again), never act on the wrong object; a pass that was interrupted is simply continued
 //! by the next.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -14,13 +14,15 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::ListParams;
 use kube::ResourceExt;
-use session_runtime::{ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason};
+use session_runtime::{
+    telemetry, ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason,
+};
 
 use crate::abandon::abandoned_before;
 use crate::api::{api_error, delete_if_unchanged};
 use crate::record::{now, CloseRecord, Phase, ReconcileNote, SessionRecord, Volume};
 use crate::runtime::{KubernetesRuntime, Swap, KILL_GRACE};
-use crate::{names, storage_loss};
+use crate::{names, storage_loss, RUNTIME};
 
 /// What one pass decides from, besides each anchor.
 pub(crate) struct Policy {
@@ -28,8 +30,61 @@ pub(crate) struct Policy {
 }
 
 pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
+    let started = std::time::Instant::now();
+    let report = pass(runtime).await?;
+    telemetry::reconciled(RUNTIME, started.elapsed());
+    for (action, count) in [
+        ("kill_worker", report.killed_workers.len()),
+        ("finish_close", report.finished_closes.len()),
+        ("suspend_idle", report.suspended_idle.len()),
+        ("expire_storage", report.expired_storage.len()),
+        ("expire_record", report.expired_records.len()),
+        ("report_orphaned_storage", report.orphaned_storage.len()),
+        ("report_lost_storage", report.lost_storage.len()),
+        ("error", report.errors.len()),
+    ] {
+        telemetry::reconcile_actions(RUNTIME, action, count);
+    }
+    Ok(report)
+}
+
+/// The installation's sessions by phase, for [`telemetry::SESSIONS`]: every phase, so that one
+/// that emptied reads 0 rather than its last count.
+struct PhaseCounts(BTreeMap<&'static str, usize>);
+
+impl PhaseCounts {
+    fn new() -> Self {
+        let phases = [
+            "provisioning",
+            "created",
+            "running",
+            "suspended",
+            "closing",
+            "closed",
+        ];
+        PhaseCounts(phases.into_iter().map(|phase| (phase, 0)).collect())
+    }
+
+    fn count(&mut self, record: &SessionRecord) {
+        let phase = if record.phase == Phase::Provisioning {
+            "provisioning"
+        } else {
+            record.state().as_str()
+        };
+        *self.0.entry(phase).or_default() += 1;
+    }
+
+    fn publish(self) {
+        for (phase, count) in self.0 {
+            telemetry::sessions(RUNTIME, phase, count);
+        }
+    }
+}
+
+async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
     let mut report = ReconcileReport::default();
     let anchors = runtime.anchors().await?;
+    let mut phases = PhaseCounts::new();
     let workers = list(
         runtime.pods().await?,
         runtime.installation(),
@@ -55,7 +110,10 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
     let mut unreadable = BTreeSet::new();
     for (id, lease) in &anchors {
         let record = match SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref()) {
-            Ok(record) => record,
+            Ok(record) => {
+                phases.count(&record);
+                record
+            }
             Err(error) => {
                 // A newer broker's record, say: its claims are not orphans, and it is not ours to fix.
                 unreadable.insert(*id);
@@ -83,6 +141,7 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
             report.errors.push(format!("session {id}: {error}"));
         }
     }
+    phases.publish();
     let anchored: BTreeSet<SessionId> = anchors.iter().map(|(id, _)| *id).collect();
     for (id, pod) in &by_session {
         if anchored.contains(id)

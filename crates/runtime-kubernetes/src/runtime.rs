@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use egress_proxy::gateway::GatewayKey;
@@ -20,6 +20,7 @@ use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use parking_lot::Mutex;
 use session_runtime::config::{KubernetesConfig, Reach};
+use session_runtime::telemetry::{self, StartKind};
 use session_runtime::{
     Attachment, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger, Generation,
     IsolationLevel, ReconcileReport, Result, Retention, RetentionPolicy, SessionHandle, SessionId,
@@ -967,6 +968,7 @@ impl KubernetesRuntime {
     }
 
     async fn attach_locked(&self, id: &SessionId) -> Result<Attachment> {
+        let started = Instant::now();
         let (_, current) = self.load_existing(id).await?;
         if current.phase == Phase::Provisioning {
             return Err(retry_later(
@@ -983,6 +985,7 @@ impl KubernetesRuntime {
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
         if reusable {
             if let Some(attachment) = self.take_over(id, &profile).await? {
+                telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
                 return Ok(attachment);
             }
         }
@@ -1024,6 +1027,11 @@ impl KubernetesRuntime {
                 Ok(Some(next))
             })
             .await?;
+        let start = StartKind::of(
+            before
+                .as_ref()
+                .map_or(SessionState::Suspended, |before| before.state),
+        );
         // From here until a worker serves, a failure or a dropped call undoes the attach.
         let in_flight = AttachInFlight::new(
             self.leases().await?.clone(),
@@ -1036,9 +1044,10 @@ impl KubernetesRuntime {
             }),
         );
         let _ = self.retire_previous(id, generation, Duration::ZERO).await;
-        let error = match self.start_and_open(id, &anchor, &record, &profile).await {
+        let error = match self.start_and_open(id, &anchor, &record, &profile, start).await {
             Ok(attachment) => {
                 in_flight.release();
+                telemetry::attached(RUNTIME, start, started.elapsed());
                 return Ok(attachment);
             }
             Err(error @ Error::Fenced { .. }) => error,
@@ -1055,6 +1064,7 @@ impl KubernetesRuntime {
         if matches!(error, Error::Fenced { .. }) {
             in_flight.release();
         } else {
+            telemetry::start_failed(RUNTIME, &error);
             in_flight.failed(&error).await;
         }
         Err(error)
@@ -1067,9 +1077,12 @@ impl KubernetesRuntime {
         anchor: &Lease,
         record: &SessionRecord,
         profile: &WorkerProfile,
+        start: StartKind,
     ) -> Result<Attachment> {
         let generation = record.generation;
+        let starting = Instant::now();
         let pod = self.start_worker(id, anchor, record, profile).await?;
+        telemetry::worker_ready(RUNTIME, start, starting.elapsed());
         // Another broker may have taken a newer generation, or suspended or closed the session,
         // while this one started: then this worker must not serve.
         let (_, latest) = self.load_existing(id).await?;
@@ -1727,7 +1740,7 @@ impl KubernetesRuntime {
                         error,
                     )
                 })?;
-                let client = Client::try_from(config)
+                let client = crate::metered_client(config)
                     .map_err(|error| Error::backend(RUNTIME, false, "building the Kubernetes client", error))?;
                 Ok(Apis::new(client, &self.namespace))
             })

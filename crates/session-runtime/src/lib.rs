@@ -54,6 +54,7 @@ pub mod overlay;
 mod retention;
 mod runtime;
 mod state;
+pub mod telemetry;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;

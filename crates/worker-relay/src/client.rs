@@ -676,6 +676,9 @@ async fn run_link(
         };
         let error = match attempt {
             Ok((reader, writer, welcome)) => {
+                if ever_connected {
+                    session_runtime::telemetry::relay_reconnected();
+                }
                 ever_connected = true;
                 failing_since = None;
                 backoff = config.backoff_initial;
