@@ -225,6 +225,20 @@ async fn record_of(leases: &Api<Lease>, name: &str) -> serde_json::Value {
     serde_json::from_str(&text).expect("the record is JSON")
 }
 
+/// The body of `GET path` at `ip:port`, if answered `200`.
+async fn http_get(ip: &str, port: u16, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect((ip, port)).await.ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: controller\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.ok()?;
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+}
+
 /// `deploy/kubernetes/controller.yaml` itself, applied with `kubectl apply -k` through an overlay
 /// that sets only what the test cluster needs: the image built from this `oab-runtime` and this
 /// test's installation. The controller reaches the API server as in production, through the
@@ -355,6 +369,43 @@ patches:
         || async { (record_of(&leases, &anchor).await["phase"] == "closed").then_some(()) },
     )
     .await;
+
+    // Its metrics say so, served on its own port as to a scraper (this host reaches Pod IPs).
+    let leader_ip = pods
+        .get(&first)
+        .await
+        .expect("the leader's Pod")
+        .status
+        .and_then(|status| status.pod_ip)
+        .expect("a Pod IP");
+    let metrics = wait_until(
+        "the leader's metrics to count the finished close",
+        Duration::from_secs(60),
+        || async {
+            let text = http_get(&leader_ip, 9090, "/metrics").await?;
+            text.contains("openab_reconcile_actions_total{backend=\"kubernetes\",action=\"finish_close\"}")
+                .then_some(text)
+        },
+    )
+    .await;
+    for series in [
+        "openab_reconcile_pass_seconds_count{backend=\"kubernetes\"}",
+        "openab_api_requests_total{backend=\"kubernetes\",verb=\"list\"}",
+        "openab_api_requests_total{backend=\"kubernetes\",verb=\"update\"}",
+    ] {
+        let value = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {series} in the leader's metrics:\n{metrics}"));
+        assert!(value >= 1.0, "{series} is {value}");
+    }
+    // Sessions by phase, as of its last full pass (which may precede the close): every phase.
+    for phase in ["created", "running", "suspended", "closing", "closed"] {
+        let series = format!("openab_sessions{{backend=\"kubernetes\",phase=\"{phase}\"}}");
+        assert!(metrics.contains(&series), "no {series}:\n{metrics}");
+    }
+    let ready = http_get(&leader_ip, 9090, "/readyz").await;
+    assert_eq!(ready.as_deref(), Some("ready\n"), "the leader's /readyz");
 
     // Its Pod goes (gracefully: the Lease is given up), and the other replica takes over.
     kubectl(&["-n", "openab", "delete", "pod", &first, "--wait=false"]);

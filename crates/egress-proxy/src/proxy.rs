@@ -14,6 +14,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use session_runtime::config::EgressTarget;
+use session_runtime::telemetry;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +43,7 @@ where
             let admission = Arc::clone(&admission);
             let stop = stop.clone();
             async move {
+                let kind = kind_of(&request);
                 let response = match admission.admit(&request) {
                     Ok(admitted) => handle(request, admitted, stop)
                         .await
@@ -51,6 +53,7 @@ where
                         answer(&refusal)
                     }
                 };
+                telemetry::egress_request(kind, response.status().as_u16());
                 Ok::<_, Infallible>(response)
             }
         })
@@ -81,6 +84,19 @@ where
         } else {
             tracing::debug!("egress connection ended: {error}");
         }
+    }
+}
+
+/// What `request` asks of the proxy, as [`telemetry::EGRESS_REQUESTS`] labels it.
+fn kind_of(request: &Request<Incoming>) -> &'static str {
+    if request.method() == Method::CONNECT {
+        "connect"
+    } else if request.uri().scheme_str() == Some("http") {
+        "http"
+    } else if crate::gateway::is_route_request(request) {
+        "route"
+    } else {
+        "other"
     }
 }
 

@@ -25,7 +25,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+pub use tokio_util::sync::CancellationToken;
 
 /// The histogram buckets of every `*_seconds` metric: from a fast API call to a slow image pull.
 const SECONDS_BUCKETS: &[f64] = &[

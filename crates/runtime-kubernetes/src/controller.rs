@@ -297,6 +297,7 @@ impl Controller {
         if let Err(error) = result {
             report.errors.push(format!("session {id}: {error}"));
         }
+        reconcile::count_actions(&report);
         report
     }
 

@@ -33,6 +33,12 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
     let started = std::time::Instant::now();
     let report = pass(runtime).await?;
     telemetry::reconciled(RUNTIME, started.elapsed());
+    count_actions(&report);
+    Ok(report)
+}
+
+/// Counts what a pass, or one session's reconcile, did ([`telemetry::RECONCILE_ACTIONS`]).
+pub(crate) fn count_actions(report: &ReconcileReport) {
     for (action, count) in [
         ("kill_worker", report.killed_workers.len()),
         ("finish_close", report.finished_closes.len()),
@@ -45,7 +51,6 @@ pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> 
     ] {
         telemetry::reconcile_actions(RUNTIME, action, count);
     }
-    Ok(report)
 }
 
 /// The installation's sessions by phase, for [`telemetry::SESSIONS`]: every phase, so that one

@@ -40,9 +40,12 @@ use test_cluster::k8s_openapi::ByteString;
 use test_cluster::kube::api::{ListParams, LogParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{exec, unique_name, wait_until, TestCluster};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The gateway's port, as deploy/kubernetes/egress-gateway.yaml's Service has it.
 const GATEWAY_PORT: u16 = 3128;
+/// The gateway's metrics port (egress-gateway.yaml's `metrics`).
+const METRICS_PORT: u16 = 9090;
 /// The fake model's port.
 const MODEL_PORT: u16 = 8000;
 /// The Secret the gateway reads the model's key from (never one a worker may read).
@@ -309,6 +312,31 @@ except OSError as error:
     output.stdout.trim().to_owned()
 }
 
+/// `GET /metrics` of the gateway Pod at `ip`, from this host (as a scraper outside the sessions
+/// namespace, and the kubelet's probes, reach it).
+async fn scrape(ip: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect((ip, METRICS_PORT))
+        .await
+        .expect("connect to the gateway's metrics");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("ask for the metrics");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.expect("the metrics");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    answer
+}
+
+/// The sum over `texts` (Prometheus text) of the samples whose line starts with `series`.
+fn sample_sum(texts: &[String], series: &str) -> f64 {
+    texts
+        .iter()
+        .flat_map(|text| text.lines())
+        .filter_map(|line| line.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .sum()
+}
+
 /// The logs of every gateway Pod.
 async fn gateway_logs(cluster: &TestCluster) -> String {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
@@ -511,6 +539,36 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
         let again = from_worker(&pods, &pod, &gateway, &connect(&model_name, own())).await;
         assert!(again.starts_with("HTTP/1.1 200"), "served after {case}: {again}");
     }
+
+    // The metrics count what was answered, and are served to this host but not to the worker.
+    let gateway_pods = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=openab-egress-gateway"))
+        .await
+        .expect("list the gateway's Pods");
+    let mut scraped = Vec::new();
+    for gateway_pod in &gateway_pods {
+        let ip = gateway_pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .expect("a Pod IP");
+        scraped.push(scrape(&ip).await);
+        assert_eq!(
+            direct(&pods, &pod, &ip, METRICS_PORT).await,
+            "refused",
+            "the worker reached the gateway's metrics"
+        );
+    }
+    let forbidden = sample_sum(
+        &scraped,
+        "openab_egress_requests_total{kind=\"connect\",status=\"403\"}",
+    );
+    assert!(forbidden >= 4.0, "403s counted: {forbidden}\n{scraped:?}");
+    let routed = sample_sum(
+        &scraped,
+        "openab_egress_requests_total{kind=\"route\",status=\"200\"}",
+    );
+    assert!(routed >= 1.0, "model route requests counted: {routed}");
 
     // Each refusal is logged with the session and the reason; no log holds either key.
     let logs = gateway_logs(&cluster).await;

@@ -13,6 +13,7 @@
 //! | [`RECONCILE_ACTIONS`] | counter | `backend`, `action` |
 //! | [`API_REQUESTS`] | counter | `backend`, `verb` |
 //! | [`RELAY_RECONNECTS`] | counter | (none: the relay's client serves every backend with workers) |
+//! | [`EGRESS_REQUESTS`] | counter | `kind` (`connect`, `http`, `route`, `other`), `status` |
 
 use std::time::Duration;
 
@@ -35,6 +36,9 @@ pub const RECONCILE_ACTIONS: &str = "openab_reconcile_actions_total";
 pub const API_REQUESTS: &str = "openab_api_requests_total";
 /// Times an attachment's link to its worker was lost and connected again.
 pub const RELAY_RECONNECTS: &str = "openab_relay_reconnects_total";
+
+/// Requests to an egress proxy (the local runtime's or the gateway), by kind and answer.
+pub const EGRESS_REQUESTS: &str = "openab_egress_requests_total";
 
 /// How a worker came to serve an attach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +94,7 @@ pub fn describe() {
     describe_counter!(RECONCILE_ACTIONS, "Reconcile actions, by kind");
     describe_counter!(API_REQUESTS, "Requests to the platform API, by verb");
     describe_counter!(RELAY_RECONNECTS, "Worker links lost and connected again");
+    describe_counter!(EGRESS_REQUESTS, "Egress proxy requests, by kind and status");
 }
 
 /// Records a successful attach of `backend` that started as `start` and took `elapsed`.
@@ -128,6 +133,11 @@ pub fn reconcile_actions(backend: &'static str, action: &'static str, count: usi
 /// Counts one request to the platform's API with `verb`.
 pub fn api_request(backend: &'static str, verb: &'static str) {
     metrics::counter!(API_REQUESTS, "backend" => backend, "verb" => verb).increment(1);
+}
+
+/// Counts one request to an egress proxy of `kind`, answered `status`.
+pub fn egress_request(kind: &'static str, status: u16) {
+    metrics::counter!(EGRESS_REQUESTS, "kind" => kind, "status" => status.to_string()).increment(1);
 }
 
 /// Counts one reconnect of an attachment's link to its worker's relay.

@@ -83,11 +83,13 @@ pub(crate) async fn dispatch(cli: Cli) -> Outcome {
             holder,
             resync,
             lease_duration,
+            metrics_listen,
         } => {
             let args = crate::controller::ControllerArgs {
                 holder,
                 resync,
                 lease_duration,
+                metrics_listen,
             };
             crate::controller::run(settings, args).await
         }

@@ -14,6 +14,8 @@ pub(crate) struct ControllerArgs {
     pub(crate) holder: Option<String>,
     pub(crate) resync: Duration,
     pub(crate) lease_duration: Duration,
+    /// Where to serve the operational endpoints (ops-http), if anywhere.
+    pub(crate) metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[cfg(feature = "kubernetes")]
@@ -31,7 +33,25 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
             reason: "`oab-runtime controller` reconciles a Kubernetes installation: set type = \"kubernetes\" and a [session_runtime.kubernetes] table".into(),
         }));
     }
-    let client = kube::Client::try_default().await.map_err(|error| {
+    // The endpoints first, so a probe sees the process alive (and not ready) while it connects.
+    let readiness = ops_http::Readiness::new();
+    let endpoints = ops_http::CancellationToken::new();
+    if let Some(address) = args.metrics_listen {
+        let metrics = ops_http::install().map_err(|reason| Error::InvalidConfig {
+            key: "--metrics-listen".into(),
+            reason,
+        })?;
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|error| Error::backend("kubernetes", false, format!("listening on {address}"), error))?;
+        tokio::spawn(ops_http::serve(
+            listener,
+            metrics,
+            readiness.clone(),
+            endpoints.clone(),
+        ));
+    }
+    let config = kube::Config::infer().await.map_err(|error| {
         Error::backend(
             "kubernetes",
             false,
@@ -39,6 +59,8 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
             error,
         )
     })?;
+    let client = runtime_kubernetes::metered_client(config)
+        .map_err(|error| Error::backend("kubernetes", false, "building the Kubernetes client", error))?;
     let runtime = KubernetesRuntime::builder_from_config(&settings.runtime)?
         .client(client.clone())
         .build()?;
@@ -76,7 +98,11 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
             }
         }
     });
-    controller.run(stop).await?;
+    readiness.set(true);
+    let ran = controller.run(stop).await;
+    readiness.set(false);
+    endpoints.cancel();
+    ran?;
     eprintln!("oab-runtime controller: stopped, Lease released");
     Ok(ExitCode::SUCCESS)
 }

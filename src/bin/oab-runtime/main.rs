@@ -114,6 +114,10 @@ enum Command {
         /// How long a term lasts without a renewal; a vanished leader is replaced after it.
         #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
         lease_duration: std::time::Duration,
+        /// Where to serve /metrics (Prometheus text format), /healthz and /readyz, e.g.
+        /// `0.0.0.0:9090` (default: not served).
+        #[arg(long)]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     /// Suspends session ID once its stdin ends without a `done` line: `run` starts it and holds
     /// its stdin, so a `run` killed by SIGKILL (which cannot suspend its session itself) leaves

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles \
-//!     [--secrets /etc/oab-gateway/secrets] [--listen 0.0.0.0:3128]
+//!     [--secrets /etc/oab-gateway/secrets] [--listen 0.0.0.0:3128] [--metrics-listen 0.0.0.0:9090]
 //! ```
 //!
 //! It serves until SIGTERM or SIGINT. Exit codes: 0 after a signal, 2 for bad arguments or
@@ -43,6 +43,10 @@ struct Args {
     /// is the file `SECRETS/NAME/KEY`, read at each request.
     #[arg(long, default_value = egress_proxy::gateway::DEFAULT_SECRETS_DIR)]
     secrets: PathBuf,
+    /// Where to serve /metrics (Prometheus text format), /healthz and /readyz, e.g.
+    /// `0.0.0.0:9090`: a port of its own, which workers cannot reach (default: not served).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 fn main() -> ExitCode {
@@ -84,6 +88,29 @@ fn main() -> ExitCode {
             }
         };
         let stop = CancellationToken::new();
+        let readiness = ops_http::Readiness::new();
+        if let Some(address) = args.metrics_listen {
+            let metrics = match ops_http::install() {
+                Ok(metrics) => metrics,
+                Err(error) => {
+                    eprintln!("oab-egress-gateway: {error}");
+                    return ExitCode::from(1);
+                }
+            };
+            let listener = match tokio::net::TcpListener::bind(address).await {
+                Ok(listener) => listener,
+                Err(error) => {
+                    eprintln!("oab-egress-gateway: listening on {address}: {error}");
+                    return ExitCode::from(1);
+                }
+            };
+            tokio::spawn(ops_http::serve(
+                listener,
+                metrics,
+                readiness.clone(),
+                stop.clone(),
+            ));
+        }
         let (Ok(mut terminate), Ok(mut interrupt)) =
             (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
         else {
@@ -94,6 +121,7 @@ fn main() -> ExitCode {
         tracing::info!(listen = %args.listen, profiles = profiles.len(), routes, "egress gateway serving");
         let gateway = Arc::new(Gateway::new(key, profiles, &args.secrets));
         let serving = tokio::spawn(gateway.serve(listener, stop.clone()));
+        readiness.set(true);
         tokio::select! {
             _ = terminate.recv() => {}
             _ = interrupt.recv() => {}
