@@ -25,6 +25,7 @@ mod abandon;
 mod api;
 mod clone_source;
 pub mod controller;
+mod events;
 pub mod leader;
 mod loss;
 mod metered;

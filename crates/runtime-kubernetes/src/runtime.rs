@@ -32,6 +32,7 @@ use worker_relay::{BrokerKey, ClientConfig, RelayClient};
 
 use crate::abandon::{AttachInFlight, Before, CONNECT_TIMEOUT};
 use crate::api::{api_error, is_status};
+use crate::events::{SessionEvent, SessionEvents};
 use crate::pod::{worker_pod, WorkerEgress, WorkerSpec};
 use crate::profile::{Storage, WorkerProfile};
 use crate::reach::ExecConnector;
@@ -96,6 +97,11 @@ impl std::fmt::Debug for KubernetesRuntime {
     }
 }
 
+/// The `reportingInstance` of a runtime's Events: its installation and epoch.
+fn events_instance(installation: &str, epoch: u64) -> String {
+    format!("{installation}-{epoch}")
+}
+
 /// The namespace's API handles this runtime uses.
 struct Apis {
     jobs: Api<k8s_openapi::api::batch::v1::Job>,
@@ -105,11 +111,14 @@ struct Apis {
     claims: Api<PersistentVolumeClaim>,
     profiles: Api<ConfigMap>,
     service_accounts: Api<k8s_openapi::api::core::v1::ServiceAccount>,
+    events: SessionEvents,
 }
 
 impl Apis {
-    fn new(client: Client, namespace: &str) -> Apis {
+    /// The handles of `namespace`; Events reported as `instance`.
+    fn new(client: Client, namespace: &str, instance: String) -> Apis {
         Apis {
+            events: SessionEvents::new(client.clone(), namespace, instance),
             jobs: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
             policies: Api::namespaced(client.clone(), namespace),
@@ -277,7 +286,11 @@ impl KubernetesRuntimeBuilder {
                 })
         });
         let apis = match self.client {
-            Some(client) => tokio::sync::OnceCell::new_with(Some(Apis::new(client, namespace))),
+            Some(client) => tokio::sync::OnceCell::new_with(Some(Apis::new(
+                client,
+                namespace,
+                events_instance(&self.installation, epoch),
+            ))),
             None => tokio::sync::OnceCell::new(),
         };
         Ok(KubernetesRuntime {
@@ -984,8 +997,15 @@ impl KubernetesRuntime {
         let profile = self.profile().await?;
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
         if reusable {
-            if let Some(attachment) = self.take_over(id, &profile).await? {
+            if let Some((attachment, generation)) = self.take_over(id, &profile).await? {
                 telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
+                self.publish(
+                    id,
+                    SessionEvent::Adopted {
+                        generation,
+                        epoch: self.epoch,
+                    },
+                );
                 return Ok(attachment);
             }
         }
@@ -1048,6 +1068,13 @@ impl KubernetesRuntime {
             Ok(attachment) => {
                 in_flight.release();
                 telemetry::attached(RUNTIME, start, started.elapsed());
+                self.publish(
+                    id,
+                    SessionEvent::WorkerStarted {
+                        generation,
+                        start: start.label(),
+                    },
+                );
                 return Ok(attachment);
             }
             Err(error @ Error::Fenced { .. }) => error,
@@ -1066,6 +1093,9 @@ impl KubernetesRuntime {
         } else {
             telemetry::start_failed(RUNTIME, &error);
             in_flight.failed(&error).await;
+        }
+        if let Some(apis) = self.apis.get() {
+            apis.events.attach_failed(id, generation, &error);
         }
         Err(error)
     }
@@ -1141,7 +1171,11 @@ impl KubernetesRuntime {
     /// agent's output that broker had not acknowledged, so a turn in flight continues. Only
     /// for brokers that share the key the worker's token came from, and only when this
     /// broker's epoch is newer than the holder's; `None` sends the caller to a new generation.
-    async fn take_over(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<Attachment>> {
+    async fn take_over(
+        &self,
+        id: &SessionId,
+        profile: &WorkerProfile,
+    ) -> Result<Option<(Attachment, Generation)>> {
         let (lease, record) = self.load_existing(id).await?;
         let Some(held) = record
             .worker
@@ -1172,7 +1206,9 @@ impl KubernetesRuntime {
             Err(Swap::Failed(error)) => return Err(error),
         }
         tracing::info!(session = %id, generation = record.generation, epoch = self.epoch, "taking over the running worker");
-        self.open(id, &pod, record.generation, profile).await.map(Some)
+        self.open(id, &pod, record.generation, profile)
+            .await
+            .map(|attachment| Some((attachment, record.generation)))
     }
 
     /// Connects to the relay of `pod`, the worker of `generation`, and keeps the attachment as
@@ -1268,6 +1304,7 @@ impl KubernetesRuntime {
     }
 
     async fn suspend_locked(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {
+        let mut suspended = false;
         let (_, record) = self
             .update(id, |record| {
                 let state = record.state();
@@ -1283,6 +1320,7 @@ impl KubernetesRuntime {
                         next.suspend_reason = Some(reason);
                         next.worker = None;
                         next.last_activity = now();
+                        suspended = true;
                         Ok(Some(next))
                     }
                     _ => Ok(None),
@@ -1302,6 +1340,9 @@ impl KubernetesRuntime {
         let pod_grace =
             (reason == SuspendReason::Hung || retired == Retired::Unanswered).then_some(KILL_GRACE);
         self.stop_worker(id, record.generation, pod_grace).await?;
+        if suspended {
+            self.publish(id, SessionEvent::Suspended { reason });
+        }
         Ok(())
     }
 
@@ -1366,11 +1407,13 @@ impl KubernetesRuntime {
             }
         }
         let incarnation = record.incarnation;
+        let mut closed = false;
         self.update(id, |current| {
             // Another broker may have finished this close and started the next session.
             if current.incarnation != incarnation || current.state() != SessionState::Closing {
                 return Ok(None);
             }
+            closed = true;
             let mut next = current.clone();
             next.phase = Phase::Session(SessionState::Closed);
             next.closed_at = Some(now());
@@ -1381,7 +1424,24 @@ impl KubernetesRuntime {
             Ok(Some(next))
         })
         .await?;
+        if closed {
+            self.publish(
+                id,
+                SessionEvent::Closed {
+                    reason: close.reason,
+                    retention: matches!(record.volume, Volume::Owned { .. }).then_some(close.retention),
+                },
+            );
+        }
         Ok(())
+    }
+
+    /// Publishes `event` on session `id` (in the background; see `events`), once the runtime
+    /// has its API handles (every operation that makes a transition has).
+    fn publish(&self, id: &SessionId, event: SessionEvent) {
+        if let Some(apis) = self.apis.get() {
+            apis.events.publish(id, event);
+        }
     }
 
     /// Deletes a claim this runtime made: only the one with the recorded UID.
@@ -1681,7 +1741,11 @@ impl SessionRuntime for KubernetesRuntime {
         };
         let lock = self.lock(&identity.id());
         let _held = lock.lock().await;
-        self.create_locked(identity, seed).await
+        let handle = self.create_locked(identity, seed).await?;
+        if handle.created {
+            self.publish(&handle.id, SessionEvent::Created);
+        }
+        Ok(handle)
     }
 
     async fn attach(&self, id: &SessionId) -> Result<Attachment> {
@@ -1742,7 +1806,11 @@ impl KubernetesRuntime {
                 })?;
                 let client = crate::metered_client(config)
                     .map_err(|error| Error::backend(RUNTIME, false, "building the Kubernetes client", error))?;
-                Ok(Apis::new(client, &self.namespace))
+                Ok(Apis::new(
+                    client,
+                    &self.namespace,
+                    events_instance(&self.installation, self.epoch),
+                ))
             })
             .await
     }
