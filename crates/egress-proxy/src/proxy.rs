@@ -281,6 +281,23 @@ async fn serve_route(
         parts.headers.remove(hop);
     }
     parts.headers.remove("keep-alive");
+    // The route key (`SESSION.PROFILE:TOKEN`) may also sit in another header (another route's
+    // credential header, say): it never leaves the gateway.
+    let marker = format!("{}.", bounds.session());
+    let carrying: Vec<header::HeaderName> = parts
+        .headers
+        .iter()
+        .filter(|(_, value)| {
+            value
+                .as_bytes()
+                .windows(marker.len())
+                .any(|window| window == marker.as_bytes())
+        })
+        .map(|(name, _)| name.clone())
+        .collect();
+    for name in carrying {
+        parts.headers.remove(name);
+    }
     parts.headers.insert(route.header.clone(), credential);
     let host = if upstream.port == if upstream.tls { 443 } else { 80 } {
         upstream.host.clone()

@@ -516,7 +516,7 @@ async fn a_model_route_swaps_the_sessions_route_key_for_the_secret_and_refuses_a
         gateway.address,
         &post(
             "/openai/responses?stream=true",
-            &format!("Authorization: Bearer {a_key}\r\n"),
+            &format!("Authorization: Bearer {a_key}\r\nX-Api-Key: {a_key}\r\n"),
         ),
     )
     .await;
