@@ -370,6 +370,40 @@ patches:
     )
     .await;
 
+    // `oab-runtime ls` with the broker's identity lists both from their records.
+    let config_file = overlay.path().join("openab.toml");
+    std::fs::write(&config_file, &config).expect("write the broker's configuration");
+    let listing = Command::new(env!("CARGO_BIN_EXE_oab-runtime"))
+        .env("KUBECONFIG", broker_kubeconfig())
+        .arg("--config")
+        .arg(&config_file)
+        .arg("ls")
+        .output()
+        .expect("oab-runtime ls");
+    let listed = String::from_utf8_lossy(&listing.stdout);
+    assert!(listing.status.success(), "ls: {listing:?}");
+    assert!(
+        listed
+            .lines()
+            .next()
+            .is_some_and(|header| header.contains("IDLE")),
+        "{listed}"
+    );
+    for identity in [&done, &interrupted] {
+        let line = listed
+            .lines()
+            .find(|line| line.starts_with(identity.id().as_str()))
+            .unwrap_or_else(|| panic!("{} not listed:\n{listed}", identity.id()));
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(columns.get(1), Some(&"closed"), "{line}");
+        assert!(
+            columns
+                .get(4)
+                .is_some_and(|idle| idle.ends_with('s') || idle.ends_with('m')),
+            "an idle time: {line}"
+        );
+    }
+
     // Its metrics say so, served on its own port as to a scraper (this host reaches Pod IPs).
     let leader_ip = pods
         .get(&first)

@@ -144,16 +144,28 @@ async fn ls(runtime: &Arc<dyn SessionRuntime>) -> Outcome {
     let mut sessions = runtime.list().await?;
     sessions.sort_by_key(|s| std::cmp::Reverse(s.last_activity));
     println!(
-        "{:<20}  {:<9}  {:>4}  {:<32}  STORAGE",
-        "SESSION", "STATE", "GEN", "WORKER"
+        "{:<20}  {:<9}  {:>4}  {:<32}  {:>5}  STORAGE",
+        "SESSION", "STATE", "GEN", "WORKER", "IDLE"
     );
+    let now = std::time::SystemTime::now();
     for status in &sessions {
-        println!("{}", row(status));
+        println!("{}", row(status, now));
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn row(status: &SessionStatus) -> String {
+/// How long ago `then` was at `now`, in the largest whole unit (`42s`, `5m`, `3h`, `2d`).
+fn ago(then: std::time::SystemTime, now: std::time::SystemTime) -> String {
+    let seconds = now.duration_since(then).map_or(0, |elapsed| elapsed.as_secs());
+    match seconds {
+        0..60 => format!("{seconds}s"),
+        60..3600 => format!("{}m", seconds / 60),
+        3600..86400 => format!("{}h", seconds / 3600),
+        _ => format!("{}d", seconds / 86400),
+    }
+}
+
+fn row(status: &SessionStatus, now: std::time::SystemTime) -> String {
     let worker = status
         .worker
         .as_ref()
@@ -173,8 +185,12 @@ fn row(status: &SessionStatus) -> String {
         None => String::new(),
     };
     format!(
-        "{:<20}  {:<9}  {:>4}  {:<32}  {storage}{failure}",
-        status.id, status.state, status.generation, worker
+        "{:<20}  {:<9}  {:>4}  {:<32}  {:>5}  {storage}{failure}",
+        status.id,
+        status.state,
+        status.generation,
+        worker,
+        ago(status.last_activity, now)
     )
 }
 
@@ -224,5 +240,32 @@ pub(crate) fn test_agent(args: &[String]) -> ExitCode {
             eprintln!("oab-runtime __acp-test-agent: {error}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::ago;
+
+    #[test]
+    fn idle_times_are_shown_in_their_largest_whole_unit() {
+        let now = SystemTime::now();
+        for (seconds, shown) in [
+            (0, "0s"),
+            (59, "59s"),
+            (60, "1m"),
+            (3599, "59m"),
+            (7200, "2h"),
+            (3 * 86400 + 5, "3d"),
+        ] {
+            assert_eq!(ago(now - Duration::from_secs(seconds), now), shown);
+        }
+        assert_eq!(
+            ago(now + Duration::from_secs(5), now),
+            "0s",
+            "a clock ahead is no idle time"
+        );
     }
 }
