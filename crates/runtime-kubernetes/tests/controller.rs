@@ -166,12 +166,24 @@ async fn a_leader_finishes_an_interrupted_close_from_the_watch_before_its_next_p
         Duration::from_secs(30),
     )
     .await;
-    let mut finished_by_watch = false;
-    while let Ok(event) = leader.events.try_recv() {
-        if let ControllerEvent::Session(session, report) = event {
-            finished_by_watch |= session == id && report.finished_closes.contains(&id);
+    // The record says closed as soon as the pass wrote it; the pass reports just after.
+    let finished_by_watch = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(event) = leader.events.recv().await {
+            match event {
+                ControllerEvent::Session(session, report)
+                    if session == id && report.finished_closes.contains(&id) =>
+                {
+                    return true;
+                }
+                // A full pass would be the resync's, not the watch's.
+                ControllerEvent::Pass(report) if report.finished_closes.contains(&id) => return false,
+                _ => {}
+            }
         }
-    }
+        false
+    })
+    .await
+    .unwrap_or(false);
     assert!(
         finished_by_watch,
         "the close was finished by a watch-triggered pass"
