@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use rustix::process::Signal;
+use session_runtime::telemetry::{self, StartKind};
 use session_runtime::{
     Attachment, AttachmentParts, Capabilities, CloseReason, CreateOptions, Error, Fence, FenceTrigger,
     ReconcileReport, ResourceUsage, Result, SessionHandle, SessionId, SessionIdentity, SessionRuntime,
@@ -541,10 +542,7 @@ impl LocalRuntime {
     /// state that cannot attach, a fenced or busy one) are not recorded. Called with the
     /// session's lock held; a failure to record is logged, never returned over `error`.
     fn note_start_failure(&self, id: &SessionId, error: &Error) {
-        if !matches!(
-            error,
-            Error::WorkerFailed { .. } | Error::InvalidConfig { .. } | Error::Backend { .. }
-        ) {
+        if !is_start_failure(error) {
             return;
         }
         let mut record = match self.load(id) {
@@ -1045,6 +1043,15 @@ async fn kill_leftovers(scope: &str, id: &SessionId) {
     }
 }
 
+/// Whether an attach's `error` means its agent could not be started (rather than that the
+/// session could not be attached at all: unknown, closed, in use).
+fn is_start_failure(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::WorkerFailed { .. } | Error::InvalidConfig { .. } | Error::Backend { .. }
+    )
+}
+
 #[async_trait]
 impl SessionRuntime for LocalRuntime {
     fn name(&self) -> &'static str {
@@ -1144,9 +1151,21 @@ impl SessionRuntime for LocalRuntime {
     async fn attach(&self, id: &SessionId) -> Result<Attachment> {
         let slot = self.slot(id);
         let mut held = slot.held.lock().await;
+        let started = std::time::Instant::now();
+        // How this attach starts its agent, for the metrics: one small read of the record.
+        let before = self.load(id).ok().flatten().map(|record| record.state());
         let attached = self.attach_locked(*id, &mut held).await;
-        if let Err(error) = &attached {
-            self.note_start_failure(id, error);
+        match &attached {
+            Ok(_) => {
+                let start = StartKind::of(before.unwrap_or(SessionState::Suspended));
+                telemetry::attached(RUNTIME, start, started.elapsed());
+            }
+            Err(error) => {
+                if is_start_failure(error) {
+                    telemetry::start_failed(RUNTIME, error);
+                }
+                self.note_start_failure(id, error);
+            }
         }
         attached
     }

@@ -19,8 +19,9 @@ use std::time::Duration;
 
 use crate::{Error, SessionState, WorkerFailure};
 
-/// From `attach` to the attachment's first byte from the worker (the relay's handshake answer,
-/// after which the agent's output flows), in seconds; successful attaches only.
+/// From `attach` to the attachment being ready for the agent's output, in seconds; successful
+/// attaches only. With a worker (Kubernetes), that is the relay's first byte, its handshake
+/// answer; locally, the agent's process running in its sandbox.
 pub const ATTACH_SECONDS: &str = "openab_attach_first_byte_seconds";
 /// From a worker's creation to its readiness (a Pod's Ready condition), in seconds.
 pub const WORKER_READY_SECONDS: &str = "openab_worker_ready_seconds";
