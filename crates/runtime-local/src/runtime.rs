@@ -286,6 +286,7 @@ impl LocalRuntime {
     }
 
     async fn attach_locked(&self, id: SessionId, held: &mut Held) -> Result<Attachment> {
+        let attaching = std::time::Instant::now();
         let dirs = self.dirs(&id);
         let mut record = self.load(&id)?.ok_or(Error::NotFound { id })?;
         if record.phase == Phase::Provisioning {
@@ -494,6 +495,7 @@ impl LocalRuntime {
             pinned_needs: pinned,
         });
         tracing::debug!(session = %id, generation, worker = %spawned.worker.process.pid, "worker started");
+        telemetry::attached(RUNTIME, StartKind::of(state), attaching.elapsed());
         Ok(Attachment::new(AttachmentParts::new(
             fence,
             overlay::within(&paths.workspace, working_dir.as_deref()),
@@ -542,9 +544,13 @@ impl LocalRuntime {
     /// state that cannot attach, a fenced or busy one) are not recorded. Called with the
     /// session's lock held; a failure to record is logged, never returned over `error`.
     fn note_start_failure(&self, id: &SessionId, error: &Error) {
-        if !is_start_failure(error) {
+        if !matches!(
+            error,
+            Error::WorkerFailed { .. } | Error::InvalidConfig { .. } | Error::Backend { .. }
+        ) {
             return;
         }
+        telemetry::start_failed(RUNTIME, error);
         let mut record = match self.load(id) {
             Ok(Some(record)) if record.state().can_attach() => record,
             _ => return,
@@ -1043,15 +1049,6 @@ async fn kill_leftovers(scope: &str, id: &SessionId) {
     }
 }
 
-/// Whether an attach's `error` means its agent could not be started (rather than that the
-/// session could not be attached at all: unknown, closed, in use).
-fn is_start_failure(error: &Error) -> bool {
-    matches!(
-        error,
-        Error::WorkerFailed { .. } | Error::InvalidConfig { .. } | Error::Backend { .. }
-    )
-}
-
 #[async_trait]
 impl SessionRuntime for LocalRuntime {
     fn name(&self) -> &'static str {
@@ -1151,21 +1148,9 @@ impl SessionRuntime for LocalRuntime {
     async fn attach(&self, id: &SessionId) -> Result<Attachment> {
         let slot = self.slot(id);
         let mut held = slot.held.lock().await;
-        let started = std::time::Instant::now();
-        // How this attach starts its agent, for the metrics: one small read of the record.
-        let before = self.load(id).ok().flatten().map(|record| record.state());
         let attached = self.attach_locked(*id, &mut held).await;
-        match &attached {
-            Ok(_) => {
-                let start = StartKind::of(before.unwrap_or(SessionState::Suspended));
-                telemetry::attached(RUNTIME, start, started.elapsed());
-            }
-            Err(error) => {
-                if is_start_failure(error) {
-                    telemetry::start_failed(RUNTIME, error);
-                }
-                self.note_start_failure(id, error);
-            }
+        if let Err(error) = &attached {
+            self.note_start_failure(id, error);
         }
         attached
     }
