@@ -12,6 +12,7 @@
 //! two binaries do, through [`install`].
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,21 @@ impl Readiness {
     pub fn is_ready(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
+}
+
+/// What a binary does to offer the endpoints: [`install`]s the recorder, listens on `address`
+/// and [`serve`]s there, in the background, until `stop`.
+///
+/// # Errors
+///
+/// A message when the recorder cannot be installed or `address` cannot be listened on.
+pub async fn start(address: SocketAddr, readiness: Readiness, stop: CancellationToken) -> Result<(), String> {
+    let metrics = install()?;
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|error| format!("listening on {address}: {error}"))?;
+    tokio::spawn(serve(listener, metrics, readiness, stop));
+    Ok(())
 }
 
 /// Serves the endpoints on `listener` until `stop`, one request per connection.

@@ -30,7 +30,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::agents::{one_turn, worker_pod, FakeModel, AGENT_IMAGE};
-use common::{builder, kubectl, AdminConfigMap, DeleteOnDrop};
+use common::{builder, http_get, kubectl, AdminConfigMap, DeleteOnDrop};
 use egress_proxy::gateway::GatewayKey;
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
@@ -40,7 +40,6 @@ use test_cluster::k8s_openapi::ByteString;
 use test_cluster::kube::api::{ListParams, LogParams, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{exec, unique_name, wait_until, TestCluster};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The gateway's port, as deploy/kubernetes/egress-gateway.yaml's Service has it.
 const GATEWAY_PORT: u16 = 3128;
@@ -312,22 +311,6 @@ except OSError as error:
     output.stdout.trim().to_owned()
 }
 
-/// `GET /metrics` of the gateway Pod at `ip`, from this host (as a scraper outside the sessions
-/// namespace, and the kubelet's probes, reach it).
-async fn scrape(ip: &str) -> String {
-    let mut stream = tokio::net::TcpStream::connect((ip, METRICS_PORT))
-        .await
-        .expect("connect to the gateway's metrics");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("ask for the metrics");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).await.expect("the metrics");
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    answer
-}
-
 /// The sum over `texts` (Prometheus text) of the samples whose line starts with `series`.
 fn sample_sum(texts: &[String], series: &str) -> f64 {
     texts
@@ -552,7 +535,8 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
             .as_ref()
             .and_then(|s| s.pod_ip.clone())
             .expect("a Pod IP");
-        scraped.push(scrape(&ip).await);
+        // As a scraper outside the sessions namespace (and the kubelet's probes) reach it.
+        scraped.push(http_get(&ip, METRICS_PORT, "/metrics").await);
         assert_eq!(
             direct(&pods, &pod, &ip, METRICS_PORT).await,
             "refused",

@@ -37,19 +37,12 @@ pub(crate) async fn run(settings: Settings, args: ControllerArgs) -> Outcome {
     let readiness = ops_http::Readiness::new();
     let endpoints = ops_http::CancellationToken::new();
     if let Some(address) = args.metrics_listen {
-        let metrics = ops_http::install().map_err(|reason| Error::InvalidConfig {
-            key: "--metrics-listen".into(),
-            reason,
-        })?;
-        let listener = tokio::net::TcpListener::bind(address)
+        ops_http::start(address, readiness.clone(), endpoints.clone())
             .await
-            .map_err(|error| Error::backend("kubernetes", false, format!("listening on {address}"), error))?;
-        tokio::spawn(ops_http::serve(
-            listener,
-            metrics,
-            readiness.clone(),
-            endpoints.clone(),
-        ));
+            .map_err(|reason| Error::InvalidConfig {
+                key: "--metrics-listen".into(),
+                reason,
+            })?;
     }
     let config = kube::Config::infer().await.map_err(|error| {
         Error::backend(

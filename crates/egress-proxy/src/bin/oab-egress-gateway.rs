@@ -90,26 +90,10 @@ fn main() -> ExitCode {
         let stop = CancellationToken::new();
         let readiness = ops_http::Readiness::new();
         if let Some(address) = args.metrics_listen {
-            let metrics = match ops_http::install() {
-                Ok(metrics) => metrics,
-                Err(error) => {
-                    eprintln!("oab-egress-gateway: {error}");
-                    return ExitCode::from(1);
-                }
-            };
-            let listener = match tokio::net::TcpListener::bind(address).await {
-                Ok(listener) => listener,
-                Err(error) => {
-                    eprintln!("oab-egress-gateway: listening on {address}: {error}");
-                    return ExitCode::from(1);
-                }
-            };
-            tokio::spawn(ops_http::serve(
-                listener,
-                metrics,
-                readiness.clone(),
-                stop.clone(),
-            ));
+            if let Err(error) = ops_http::start(address, readiness.clone(), stop.clone()).await {
+                eprintln!("oab-egress-gateway: {error}");
+                return ExitCode::from(1);
+            }
         }
         let (Ok(mut terminate), Ok(mut interrupt)) =
             (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))

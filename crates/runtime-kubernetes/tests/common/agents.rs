@@ -11,7 +11,6 @@ use test_cluster::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use test_cluster::kube::api::{ListParams, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{exec, restricted_pod, unique_name, wait_until, TestCluster, TestNamespace};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// `deploy/worker/Dockerfile`'s image, as `e2e/images/build agent-worker` makes it.
 pub const AGENT_IMAGE: &str = "openab.dev/agent-worker:test";
@@ -94,20 +93,8 @@ impl FakeModel {
     }
 
     async fn all_stats(&self) -> Value {
-        let mut stream = tokio::net::TcpStream::connect((self.ip.as_str(), 8000))
-            .await
-            .expect("connect to the fake model");
-        stream
-            .write_all(b"GET /stats HTTP/1.1\r\nHost: model\r\nConnection: close\r\n\r\n")
-            .await
-            .expect("ask for the fake model's stats");
-        let mut response = String::new();
-        stream
-            .read_to_string(&mut response)
-            .await
-            .expect("read the fake model's stats");
-        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-        serde_json::from_str(body).expect("stats are JSON")
+        let body = super::http_get(&self.ip, 8000, "/stats").await;
+        serde_json::from_str(&body).expect("stats are JSON")
     }
 }
 

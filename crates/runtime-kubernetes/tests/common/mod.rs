@@ -76,6 +76,27 @@ impl AdminConfigMap {
     }
 }
 
+/// The body of `GET path` at `ip:port` from this host (which reaches Pod IPs on the bridge),
+/// failing the test unless it is answered `200`.
+pub async fn http_get(ip: &str, port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect((ip, port))
+        .await
+        .unwrap_or_else(|e| panic!("connect to {ip}:{port}: {e}"));
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("send the request");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.expect("read the answer");
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "GET {ip}:{port}{path}: {answer}"
+    );
+    body.to_owned()
+}
+
 /// Runs `kubectl` (on PATH by `scripts/cluster env`, with the administrator's kubeconfig) and
 /// fails the test if it fails.
 pub fn kubectl(args: &[&str]) {
