@@ -4,7 +4,7 @@
 # with the broker's narrow kubeconfig. It cannot run on the project's own machines (no container
 # engine there); .github/workflows/kind-e2e.yml runs it.
 #
-# usage: scripts/kind-e2e.sh            (needs docker, kind, kubectl, cargo on PATH)
+# usage: scripts/kind-e2e.sh            (needs docker, kind, kubectl, helm, cargo on PATH)
 #   KIND_CLUSTER   cluster name (default openab-e2e); KEEP_CLUSTER=1 leaves it running
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,7 +17,7 @@ work=$(mktemp -d)
 admin="$work/admin.kubeconfig"
 broker="$work/broker.kubeconfig"
 
-for tool in docker kind kubectl cargo; do
+for tool in docker kind kubectl helm cargo; do
   command -v "$tool" >/dev/null || { echo "kind-e2e: $tool is not on PATH" >&2; exit 1; }
 done
 
@@ -41,8 +41,9 @@ kind load image-archive "$("$repo/e2e/images/build" worker)" --name "$cluster"
 (cd "$repo" && cargo build --locked -p openab-runtime --all-features --bin oab-runtime)
 kind load image-archive "$("$repo/e2e/images/build" controller "${CARGO_TARGET_DIR:-$repo/target}/debug/oab-runtime")" --name "$cluster"
 
-# The deploy files, as an operator applies them (an overlay setting the admission limits).
-kubectl apply --server-side --field-manager openab-e2e -k "$repo/e2e/manifests/test-cluster"
+# The chart, as an operator installs it, with the test cluster's values.
+helm upgrade --install openab "$repo/deploy/helm/openab-session-runtime" --namespace default \
+  --values "$repo/e2e/manifests/test-values.yaml"
 # The tests' StorageClass, here on kind's own local-path provisioner (its directories are
 # world-writable, so the worker uid can write them).
 kubectl apply --server-side --field-manager openab-e2e -f - <<'YAML'

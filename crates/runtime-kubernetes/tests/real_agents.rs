@@ -28,7 +28,7 @@ use test_cluster::kube::Api;
 use test_cluster::{wait_until, TestCluster};
 
 /// The Secret keys the admission policy of the test cluster lets workers read
-/// (`e2e/manifests/test-cluster`), one per test so that tests running at once never share one.
+/// (`e2e/manifests/test-values.yaml`), one per test so that tests running at once never share one.
 const MODEL_KEY_SECRETS: [&str; 3] = [
     "oab-test-model-codex",
     "oab-test-model-python",

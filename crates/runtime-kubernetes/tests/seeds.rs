@@ -440,7 +440,7 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
     let server = format!("{installation}-git");
     let git = git_server(&cluster, &server, &token).await;
     let ip = &git.ip;
-    // The one claim the test cluster's admission limits list (e2e/manifests/test-cluster).
+    // The one claim the test cluster's admission limits list (e2e/manifests/test-values.yaml).
     let shared = SharedClaim::create(&cluster, "oab-test-borrowed").await;
     let document = WORKER_PROFILE.replace(
         "[storage]\nkind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"\n",
