@@ -8,9 +8,10 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use runtime_kubernetes::profile::WorkerProfile;
 use test_cluster::k8s_openapi::api::coordination::v1::Lease;
 use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
-use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{DeleteParams, DynamicObject, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{unique_name, wait_until, TestCluster};
 
@@ -117,6 +118,21 @@ mount_path = "/skills"
 config_map = "SKILLS"
 "#;
 
+/// The worker profile `name` (an OabProfile) from its TOML form, as an administrator makes it.
+async fn profile(cluster: &TestCluster, name: &str, document: &str) -> Api<DynamicObject> {
+    let profiles: Api<DynamicObject> = Api::namespaced_with(
+        cluster.admin(),
+        cluster.sessions_namespace(),
+        &WorkerProfile::resource(),
+    );
+    let object = WorkerProfile::resource_from_toml(name, document).expect("a profile in TOML");
+    profiles
+        .create(&PostParams::default(), &object)
+        .await
+        .expect("an OabProfile");
+    profiles
+}
+
 async fn config_map(cluster: &TestCluster, name: &str, key: &str, value: &str) -> Api<ConfigMap> {
     let maps: Api<ConfigMap> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let map = ConfigMap {
@@ -140,13 +156,7 @@ async fn verify_proves_isolation_between_worker_pods_and_says_what_it_proved() {
     let installation = unique_name("verify");
     let skills = format!("{installation}-skills");
     let maps = config_map(&cluster, &skills, "SKILL.md", "# shared\n").await;
-    config_map(
-        &cluster,
-        &installation,
-        "profile.toml",
-        &PROFILE.replace("SKILLS", &skills),
-    )
-    .await;
+    let profiles = profile(&cluster, &installation, &PROFILE.replace("SKILLS", &skills)).await;
     let (_directory, config) = configuration(&cluster, &installation, &installation, "reach = \"exec\"\n");
     let broker_kubeconfig = broker_kubeconfig();
     let output = tokio::task::spawn_blocking(move || {
@@ -170,9 +180,8 @@ async fn verify_proves_isolation_between_worker_pods_and_says_what_it_proved() {
     );
     assert!(stdout.contains("Proved: two sessions' worker Pods"), "{stdout}");
     assert!(stdout.contains("Not proved here"), "{stdout}");
-    for name in [&skills, &installation] {
-        let _ = maps.delete(name, &DeleteParams::default()).await;
-    }
+    let _ = maps.delete(&skills, &DeleteParams::default()).await;
+    let _ = profiles.delete(&installation, &DeleteParams::default()).await;
 }
 
 /// A profile whose sessions need no volume: `create` makes the anchor alone.
@@ -249,7 +258,7 @@ async fn the_controller_deployment_leads_in_cluster_finishes_an_interrupted_clos
     let cluster = TestCluster::connect().await;
     let installation = unique_name("deployed");
     let namespace = cluster.sessions_namespace().to_owned();
-    let maps = config_map(&cluster, &installation, "profile.toml", EPHEMERAL_PROFILE).await;
+    let profiles = profile(&cluster, &installation, EPHEMERAL_PROFILE).await;
 
     // On kind (scripts/kind-e2e.sh) the image is loaded already.
     let on_kind = std::env::var_os("OPENAB_CLUSTER_KIND").is_some();
@@ -466,5 +475,5 @@ patches:
             .close(&identity.id(), openab_runtime::CloseReason::Reset)
             .await;
     }
-    let _ = maps.delete(&installation, &DeleteParams::default()).await;
+    let _ = profiles.delete(&installation, &DeleteParams::default()).await;
 }

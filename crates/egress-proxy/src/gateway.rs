@@ -184,24 +184,16 @@ struct SessionEntry {
     used: Instant,
 }
 
-/// The gateway's admission: the session of a request from its `Proxy-Authorization`.
-#[derive(Debug)]
-pub struct Gateway {
-    key: GatewayKey,
+/// The profiles a gateway serves, replaced whole when they change.
+#[derive(Debug, Default)]
+struct Served {
     profiles: HashMap<String, ServedProfile>,
     /// Every model route's credential header, where a route's request carries its key.
     route_headers: Vec<http::HeaderName>,
-    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
-    /// Refusals of requests no session is known for: counted and logged at the same bounded
-    /// rate as a session's, as session `-`.
-    unknown: Arc<SessionBounds>,
 }
 
-impl Gateway {
-    /// A gateway that verifies credentials with `key` and serves each profile of `profiles`
-    /// (profile name to what it may reach), reading its model routes' credentials under
-    /// `secrets` (`SECRETS/NAME/KEY`; [`DEFAULT_SECRETS_DIR`] in its Deployment).
-    pub fn new(key: GatewayKey, profiles: HashMap<String, ProfileEgress>, secrets: &std::path::Path) -> Self {
+impl Served {
+    fn new(profiles: HashMap<String, ProfileEgress>, secrets: &std::path::Path) -> Served {
         let mut route_headers: Vec<http::HeaderName> = Vec::new();
         let profiles = profiles
             .into_iter()
@@ -223,13 +215,46 @@ impl Gateway {
                 (name, served)
             })
             .collect();
-        Gateway {
-            key,
+        Served {
             profiles,
             route_headers,
+        }
+    }
+}
+
+/// The gateway's admission: the session of a request from its `Proxy-Authorization`.
+#[derive(Debug)]
+pub struct Gateway {
+    key: GatewayKey,
+    /// Where the model routes' credentials are read (`SECRETS/NAME/KEY`).
+    secrets: std::path::PathBuf,
+    /// Each request reads the profiles as they were when it arrived.
+    served: parking_lot::RwLock<Arc<Served>>,
+    sessions: Mutex<HashMap<SessionId, SessionEntry>>,
+    /// Refusals of requests no session is known for: counted and logged at the same bounded
+    /// rate as a session's, as session `-`.
+    unknown: Arc<SessionBounds>,
+}
+
+impl Gateway {
+    /// A gateway that verifies credentials with `key` and serves each profile of `profiles`
+    /// (profile name to what it may reach), reading its model routes' credentials under
+    /// `secrets` (`SECRETS/NAME/KEY`; [`DEFAULT_SECRETS_DIR`] in its Deployment).
+    pub fn new(key: GatewayKey, profiles: HashMap<String, ProfileEgress>, secrets: &std::path::Path) -> Self {
+        Gateway {
+            key,
+            secrets: secrets.to_owned(),
+            served: parking_lot::RwLock::new(Arc::new(Served::new(profiles, secrets))),
             sessions: Mutex::new(HashMap::new()),
             unknown: SessionBounds::unattributed(),
         }
+    }
+
+    /// Serves `profiles` from now on, in place of those it served: a request admitted before
+    /// keeps what it was admitted with; the next one sees the new profiles.
+    pub fn replace_profiles(&self, profiles: HashMap<String, ProfileEgress>) {
+        let served = Arc::new(Served::new(profiles, &self.secrets));
+        *self.served.write() = served;
     }
 
     /// Accepts connections on `listener` until `stop`, serving each until it ends or `stop`,
@@ -275,7 +300,9 @@ impl Gateway {
                 .and_then(|bytes| String::from_utf8(bytes).ok())
                 .ok_or_else(|| denied("a proxy credential that is not base64 of user:token"))?
         } else if is_route_request(request) {
-            self.route_headers
+            let served = Arc::clone(&*self.served.read());
+            served
+                .route_headers
                 .iter()
                 .find_map(|name| route_key(name, request.headers().get(name)?))
                 .ok_or_else(|| denied("no route key in the route's credential header"))?
@@ -324,7 +351,8 @@ impl Admission for Gateway {
     fn admit(&self, request: &Request<Incoming>) -> Result<Admitted, Refusal> {
         let (id, profile) = self.authenticate(request)?;
         let bounds = self.bounds(id);
-        let Some(served) = self.profiles.get(&profile) else {
+        let profiles = Arc::clone(&*self.served.read());
+        let Some(served) = profiles.profiles.get(&profile) else {
             let reason = format!("profile {profile} has no egress at this gateway");
             bounds.refuse(None, &reason);
             return Err(Refusal::forbidden(reason));
@@ -406,13 +434,36 @@ pub struct ProfilesError {
 /// each listed once and none of them loopback (the gateway's loopback is its own), or
 /// `model_routes` are not routes [`check_routes`] accepts.
 pub fn profile_egress(name: &str, document: &str) -> Result<ProfileEgress, ProfilesError> {
+    let document: toml::Table = document.parse().map_err(|e: toml::de::Error| ProfilesError {
+        key: format!("profile/{name}"),
+        problem: e.to_string(),
+    })?;
+    profile_egress_of(name, document)
+}
+
+/// What worker profile `name` may reach, from its `OabProfile`'s `spec` (the same keys as the
+/// TOML document [`profile_egress`] reads, as JSON).
+///
+/// # Errors
+///
+/// As [`profile_egress`]; key `profile/NAME` when `spec` is not an object of TOML-expressible
+/// values.
+pub fn profile_egress_from_spec(
+    name: &str,
+    spec: &impl serde::Serialize,
+) -> Result<ProfileEgress, ProfilesError> {
+    let document = toml::Table::try_from(spec).map_err(|e| ProfilesError {
+        key: format!("profile/{name}"),
+        problem: format!("not a profile's keys: {e}"),
+    })?;
+    profile_egress_of(name, document)
+}
+
+fn profile_egress_of(name: &str, mut document: toml::Table) -> Result<ProfileEgress, ProfilesError> {
     let error = |key: &str, problem: String| ProfilesError {
         key: format!("profile/{name}{key}"),
         problem,
     };
-    let mut document: toml::Table = document
-        .parse()
-        .map_err(|e: toml::de::Error| error("", e.to_string()))?;
     let model_routes: Vec<ModelRoute> = match document.remove("model_routes") {
         None => Vec::new(),
         Some(value) => value

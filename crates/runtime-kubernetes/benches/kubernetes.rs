@@ -26,15 +26,15 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use runtime_kubernetes::profile::PROFILE_KEY;
+use runtime_kubernetes::profile::WorkerProfile;
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason};
 use test_cluster::faults::Faults;
 use test_cluster::k8s_openapi::api::coordination::v1::Lease;
-use test_cluster::k8s_openapi::api::core::v1::{ConfigMap, Pod};
-use test_cluster::kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use test_cluster::k8s_openapi::api::core::v1::Pod;
+use test_cluster::kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster};
 
@@ -83,28 +83,19 @@ fn main() {
 async fn run() {
     let cluster = TestCluster::connect().await;
     let installation = unique_name("bench");
-    let maps: Api<ConfigMap> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
-    let profile = ConfigMap {
-        metadata: ObjectMeta {
-            name: Some(installation.clone()),
-            ..ObjectMeta::default()
-        },
-        data: Some([(PROFILE_KEY.to_owned(), WORKER.to_owned())].into()),
-        ..ConfigMap::default()
-    };
-    maps.create(&PostParams::default(), &profile)
+    let maps: Api<DynamicObject> = Api::namespaced_with(
+        cluster.admin(),
+        cluster.sessions_namespace(),
+        &WorkerProfile::resource(),
+    );
+    let profile =
+        |name: &str, document: &str| WorkerProfile::resource_from_toml(name, document).expect("a profile");
+    maps.create(&PostParams::default(), &profile(&installation, WORKER))
         .await
         .expect("the profile");
     // The attach figures on a volume of each session's own, as sessions that resume have.
     let with_volume = format!("{installation}-volume");
-    let volume_profile = ConfigMap {
-        metadata: ObjectMeta {
-            name: Some(with_volume.clone()),
-            ..ObjectMeta::default()
-        },
-        data: Some([(PROFILE_KEY.to_owned(), WORKER.replace(EPHEMERAL, PER_SESSION))].into()),
-        ..ConfigMap::default()
-    };
+    let volume_profile = profile(&with_volume, &WORKER.replace(EPHEMERAL, PER_SESSION));
     maps.create(&PostParams::default(), &volume_profile)
         .await
         .expect("the profile with a volume");
@@ -121,14 +112,7 @@ async fn run() {
 
     // The real agent's image, a volume per session.
     let real_agent = format!("{installation}-codex");
-    let real_agent_profile = ConfigMap {
-        metadata: ObjectMeta {
-            name: Some(real_agent.clone()),
-            ..ObjectMeta::default()
-        },
-        data: Some([(PROFILE_KEY.to_owned(), REAL_AGENT.replace(EPHEMERAL, PER_SESSION))].into()),
-        ..ConfigMap::default()
-    };
+    let real_agent_profile = profile(&real_agent, &REAL_AGENT.replace(EPHEMERAL, PER_SESSION));
     maps.create(&PostParams::default(), &real_agent_profile)
         .await
         .expect("the real agent's profile");

@@ -5,7 +5,7 @@
 //! `oab-w-<session id>` owned by the anchor and running the worker relay as its entrypoint, and a
 //! PersistentVolumeClaim `oab-d-<session id>-<incarnation>` for its workspace and HOME that no
 //! cascade deletes. The broker reaches the relay over the Pod IP or through `pods/exec`;
-//! everything security-sensitive comes from a cluster-owned profile (a ConfigMap, see
+//! everything security-sensitive comes from a cluster-owned profile (an `OabProfile`, see
 //! [`profile`]) that chat messages cannot select or alter.
 //!
 //! ```no_run

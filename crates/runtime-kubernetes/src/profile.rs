@@ -1,12 +1,14 @@
 //! The cluster-owned worker profile: everything security-sensitive about a session's worker.
 //!
 //! The image, its command, resources, storage, read-only inputs, secret references, network
-//! reach, runtime class and lifetimes of every worker come from a ConfigMap in the sessions
+//! reach, runtime class and lifetimes of every worker come from an `OabProfile` in the sessions
 //! namespace that only an administrator can edit. The broker's configuration merely names it
 //! (`[session_runtime.kubernetes] profile = "isolated-worker"`) and the broker can only read it, so
 //! neither a chat message nor a compromised broker configuration can widen what a worker may do.
 //!
-//! The ConfigMap holds one TOML document under the data key [`PROFILE_KEY`]:
+//! Its `spec` holds the keys below; in their TOML form (a document such as [`PROFILE_KEY`] names,
+//! which [`WorkerProfile::from_toml`] reads and [`WorkerProfile::resource_from_toml`] turns into
+//! the object):
 //!
 //! ```toml
 //! image = "openab.dev/worker:test"            # required
@@ -67,8 +69,11 @@
 //! retain_for = "7d"
 //! ```
 //!
-//! [`WorkerProfile::from_config_map`] (or [`WorkerProfile::from_toml`]) parses and validates it.
-//! Every refusal is an [`Error::InvalidConfig`] whose key is `profile/<ConfigMap name>.<key>`,
+//! An administrator writes it as the `spec` of an `OabProfile` (the same keys, in YAML:
+//! [`WorkerProfile::resource`]), which the API server checks against the resource's schema at
+//! apply; [`WorkerProfile::from_resource`] (or [`WorkerProfile::from_toml`]) parses and validates
+//! all of it. Every refusal is an [`Error::InvalidConfig`] whose key is
+//! `profile/<OabProfile name>.<key>`,
 //! e.g. `profile/isolated-worker.storage.size`; a problem in the `n`th entry of an array of
 //! tables starts its reason with `entry n:`.
 
@@ -77,16 +82,18 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use egress_proxy::routes::{check_routes, ModelRoute};
-use k8s_openapi::api::core::v1::ConfigMap;
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use serde::Deserialize;
 use session_runtime::config::{
-    self, check_dns_label, check_dns_subdomain, deserialize_toml, serde_duration, AddressKind, EgressTarget,
+    self, check_dns_label, check_dns_subdomain, deserialize_json, deserialize_toml, serde_duration,
+    AddressKind, EgressTarget,
 };
 use session_runtime::{Error, Retention, RetentionPolicy};
 
 pub use crate::clone_source::SeedHost;
 
-/// The ConfigMap data key that holds the profile's TOML document.
+/// The file name of a profile's TOML form (the gateway's `--profiles` directory holds
+/// `NAME.toml` files of the same form).
 pub const PROFILE_KEY: &str = "profile.toml";
 
 /// The prefix of the environment variables the runtime sets for the relay; a profile's
@@ -95,7 +102,7 @@ pub const RESERVED_ENV_PREFIX: &str = "OAB_RELAY_";
 
 /// A validated worker profile: how every worker Pod of this runtime is built.
 ///
-/// Only [`from_toml`](Self::from_toml) and [`from_config_map`](Self::from_config_map) make one,
+/// Only [`from_toml`](Self::from_toml) and [`from_resource`](Self::from_resource) make one,
 /// so a profile in hand has passed validation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerProfile {
@@ -185,7 +192,7 @@ impl WorkerProfile {
 
     /// Parses and validates a profile document.
     ///
-    /// `name` is the ConfigMap's name (it prefixes every error key); `version` is its
+    /// `name` is the OabProfile's name (it prefixes every error key); `version` is its
     /// `metadata.resourceVersion`, kept so the runtime can record which profile version a worker
     /// was started with.
     ///
@@ -201,49 +208,59 @@ impl WorkerProfile {
         Ok(profile)
     }
 
-    /// Parses and validates the profile held by a ConfigMap under [`PROFILE_KEY`].
+    /// The custom resource an administrator writes a profile as: `OabProfile`
+    /// (`openab.dev/v1alpha1`, deploy/helm/openab-session-runtime/crds/oabprofiles.yaml), whose
+    /// `spec` holds the keys of [`PROFILE_KEY`]'s document under the same names.
+    pub fn resource() -> ApiResource {
+        use session_runtime::config::profile_resource::{GROUP, KIND, PLURAL, VERSION};
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, KIND), PLURAL)
+    }
+
+    /// Parses and validates an `OabProfile` (see [`resource`](Self::resource)).
     ///
-    /// The profile's name is the ConfigMap's `metadata.name` and its version the
-    /// `metadata.resourceVersion`, empty when the object never came from the API server.
+    /// The profile's name is the object's `metadata.name` and its version the
+    /// `metadata.resourceVersion`. The API server has checked what the resource's schema can
+    /// say; everything else is checked here as for [`from_toml`](Self::from_toml).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] with key `profile/<name>.profile.toml` when the ConfigMap has no
-    /// such data key; otherwise as for [`from_toml`](Self::from_toml).
-    pub fn from_config_map(map: &ConfigMap) -> Result<WorkerProfile, Error> {
-        let name = map.metadata.name.as_deref().unwrap_or_default();
-        let version = map.metadata.resource_version.as_deref().unwrap_or_default();
-        match map.data.as_ref().and_then(|data| data.get(PROFILE_KEY)) {
-            Some(document) => Self::from_toml(name, version, document),
-            None => {
-                let in_binary = map
-                    .binary_data
-                    .as_ref()
-                    .is_some_and(|data| data.contains_key(PROFILE_KEY));
-                let hint = if in_binary {
-                    "; it is under binaryData, but must be text under data"
-                } else {
-                    ""
-                };
-                Err(invalid(
-                    name,
-                    PROFILE_KEY,
-                    format!(
-                        "the ConfigMap has no data key {PROFILE_KEY:?}{hint}; \
-                         put the profile's TOML there, e.g. `{PROFILE_KEY}: |` followed by \
-                         `image = \"openab.dev/worker:test\"`"
-                    ),
-                ))
-            }
-        }
+    /// [`Error::InvalidConfig`] with key `profile/<name>.<key>`, as for
+    /// [`from_toml`](Self::from_toml).
+    pub fn from_resource(object: &DynamicObject) -> Result<WorkerProfile, Error> {
+        let name = object.metadata.name.as_deref().unwrap_or_default();
+        let version = object.metadata.resource_version.as_deref().unwrap_or_default();
+        let spec = object
+            .data
+            .get("spec")
+            .cloned()
+            .unwrap_or_else(|| serde_json::Value::Object(serde_json::Map::new()));
+        let document: Document = deserialize_json(spec, &format!("profile/{name}"))?;
+        let profile = document.into_profile(name, version);
+        profile.validate()?;
+        Ok(profile)
     }
 
-    /// The profile's name: the name of the ConfigMap it came from.
+    /// The `OabProfile` named `name` whose `spec` is `document`, a profile in its TOML form (as
+    /// [`from_toml`](Self::from_toml) reads it): what an administrator's tooling, or a test,
+    /// creates. Only the TOML is checked here; the API server checks the resource's schema.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] with key `profile/<name>` for a TOML syntax error.
+    pub fn resource_from_toml(name: &str, document: &str) -> Result<DynamicObject, Error> {
+        let spec: serde_json::Value =
+            deserialize_toml(document, &format!("profile/{name}"), Some(PROFILE_KEY))?;
+        let mut object = DynamicObject::new(name, &Self::resource());
+        object.data = serde_json::json!({ "spec": spec });
+        Ok(object)
+    }
+
+    /// The profile's name: the name of the OabProfile it came from.
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// The profile's version: the ConfigMap's `metadata.resourceVersion` when it was read.
+    /// The profile's version: the OabProfile's `metadata.resourceVersion` when it was read.
     pub fn version(&self) -> &str {
         &self.version
     }
@@ -1002,8 +1019,8 @@ impl RetentionOverrides {
     }
 }
 
-/// The document as written; [`WorkerProfile`] adds the ConfigMap's name and version, which are
-/// not the administrator's to write in the TOML.
+/// The document as written; [`WorkerProfile`] adds the OabProfile's name and version, which are
+/// not the administrator's to write in the spec.
 #[derive(Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct Document {
@@ -1216,16 +1233,13 @@ fn check_label_value(value: &str) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use proptest::prelude::*;
 
     use super::*;
 
     const NAME: &str = "isolated-worker";
     const MINIMAL: &str = "image = \"openab.dev/worker:test\"\nagent = [\"/usr/local/bin/acp-test-agent\"]\n";
-    const EXAMPLE: &str = include_str!("../../../deploy/kubernetes/profile-example.yaml");
 
     /// The key and reason of the refusal of `MINIMAL` followed by `extra`.
     fn refusal(extra: &str) -> (String, String) {
@@ -1246,51 +1260,6 @@ mod tests {
             reason.contains(reason_part),
             "{extra:?}: {reason:?} lacks {reason_part:?}"
         );
-    }
-
-    fn config_map(data: Option<BTreeMap<String, String>>) -> ConfigMap {
-        ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(NAME.to_owned()),
-                resource_version: Some("4711".to_owned()),
-                ..ObjectMeta::default()
-            },
-            data,
-            ..ConfigMap::default()
-        }
-    }
-
-    /// The literal block `profile.toml: |` of the example manifest, without its indentation.
-    fn example_profile() -> String {
-        profile_block(EXAMPLE)
-    }
-
-    /// The literal block `profile.toml: |` of `manifest`, without its indentation.
-    fn profile_block(manifest: &str) -> String {
-        let mut lines = manifest
-            .lines()
-            .skip_while(|line| line.trim() != "profile.toml: |");
-        let key_indent = lines
-            .next()
-            .map(indent)
-            .expect("the example has a `profile.toml: |` block");
-        let block: Vec<&str> = lines
-            .take_while(|line| line.trim().is_empty() || indent(line) > key_indent)
-            .collect();
-        let block_indent = block
-            .iter()
-            .filter(|line| !line.trim().is_empty())
-            .map(|line| indent(line))
-            .min()
-            .unwrap_or(0);
-        block
-            .iter()
-            .map(|line| format!("{}\n", line.get(block_indent..).unwrap_or("")))
-            .collect()
-    }
-
-    fn indent(line: &str) -> usize {
-        line.len() - line.trim_start().len()
     }
 
     #[test]
@@ -1896,91 +1865,46 @@ mod tests {
     }
 
     #[test]
-    fn config_map_without_the_profile_key_names_it() {
-        let (key, reason) = match WorkerProfile::from_config_map(&config_map(None)) {
-            Err(Error::InvalidConfig { key, reason }) => (key, reason),
-            other => panic!("expected InvalidConfig, got {other:?}"),
-        };
-        assert_eq!(key, "profile/isolated-worker.profile.toml");
-        assert!(reason.contains("\"profile.toml\""), "{reason}");
-        let other_key = BTreeMap::from([("profile.yaml".to_owned(), MINIMAL.to_owned())]);
-        assert!(matches!(
-            WorkerProfile::from_config_map(&config_map(Some(other_key))),
-            Err(Error::InvalidConfig { key, .. }) if key == "profile/isolated-worker.profile.toml"
-        ));
-    }
-
-    #[test]
-    fn config_map_gives_name_and_version() {
-        let data = BTreeMap::from([(PROFILE_KEY.to_owned(), MINIMAL.to_owned())]);
-        let profile = WorkerProfile::from_config_map(&config_map(Some(data))).expect("valid");
+    fn a_resource_gives_name_and_version_and_its_spec_is_checked_like_toml() {
+        let mut object = WorkerProfile::resource_from_toml(NAME, MINIMAL).expect("TOML");
+        object.metadata.resource_version = Some("4711".to_owned());
+        let profile = WorkerProfile::from_resource(&object).expect("valid");
         assert_eq!((profile.name(), profile.version()), (NAME, "4711"));
-    }
-
-    #[test]
-    fn the_real_agent_examples_are_valid_profiles_with_their_key_from_a_secret() {
-        let examples = [
-            (
-                include_str!("../../../deploy/kubernetes/agents/claude-code.yaml"),
-                "claude-code-acp",
-                "ANTHROPIC_API_KEY",
-            ),
-            (
-                include_str!("../../../deploy/kubernetes/agents/python-sdk.yaml"),
-                "agent.py",
-                "OPENAI_API_KEY",
-            ),
-        ];
-        for (manifest, agent, key) in examples {
-            let profile = WorkerProfile::from_toml(NAME, "1", &profile_block(manifest))
-                .unwrap_or_else(|error| panic!("the {agent} example: {error}"));
-            assert!(profile.agent.iter().any(|arg| arg.ends_with(agent)), "{agent}");
-            assert!(profile.image.contains("@sha256:"), "{agent}: pinned by digest");
-            assert_eq!(profile.home_path, "/home/agent", "{agent}: HOME on the volume");
-            assert!(profile.env.iter().any(|env| env.name == key), "{agent}: {key}");
-            assert!(!profile.egress.is_empty(), "{agent}: an egress entry");
-        }
-        // codex's goes through the gateway, whose model route holds the key: the worker gets
-        // neither the Secret nor a way past the gateway.
-        let codex = WorkerProfile::from_toml(
-            NAME,
-            "1",
-            &profile_block(include_str!("../../../deploy/kubernetes/agents/codex.yaml")),
-        )
-        .unwrap_or_else(|error| panic!("the codex-acp example: {error}"));
-        assert!(codex.image.contains("@sha256:"), "codex-acp: pinned by digest");
-        assert!(codex.env.is_empty() && codex.egress.is_empty(), "{codex:?}");
-        let gateway = codex.egress_gateway.as_ref().expect("a gateway").authority();
-        let [route] = codex.model_routes.as_slice() else {
-            panic!("one model route: {:?}", codex.model_routes)
-        };
-        assert_eq!(route.key_env.as_deref(), Some("OPENAI_API_KEY"));
-        assert!(
-            codex
-                .agent
-                .iter()
-                .any(|arg| arg.contains(&format!("base_url=\"{}\"", route.base_url(&gateway)))),
-            "codex-acp's base URL is the route's: {:?}",
-            codex.agent
-        );
-    }
-
-    #[test]
-    fn example_manifest_is_a_valid_profile() {
-        assert!(EXAMPLE.contains("name: isolated-worker") && EXAMPLE.contains("namespace: openab-sessions"));
-        let profile = WorkerProfile::from_toml(NAME, "1", &example_profile()).expect("the example validates");
-        assert_eq!(profile.image, "openab.dev/worker:test");
-        assert_eq!(profile.agent, ["/usr/local/bin/acp-test-agent"]);
         assert_eq!(
-            profile.storage,
-            Storage::PerSession {
-                class: Some("openab-test-local".into()),
-                size: "1Gi".into(),
-                access_mode: AccessMode::ReadWriteOnce
-            }
+            profile,
+            WorkerProfile::from_toml(NAME, "4711", MINIMAL).expect("valid")
         );
-        assert_eq!(profile.idle_ttl, Some(Duration::from_secs(30 * 60)));
-        assert!(profile.resources.memory_limit.is_some() && profile.resources.cpu_limit.is_some());
+
+        let refused = |spec: serde_json::Value| {
+            let mut object = object.clone();
+            object.data = serde_json::json!({ "spec": spec });
+            match WorkerProfile::from_resource(&object) {
+                Err(Error::InvalidConfig { key, reason }) => (key, reason),
+                other => panic!("expected InvalidConfig, got {other:?}"),
+            }
+        };
+        let minimal = serde_json::json!({"image": "openab.dev/worker:test", "agent": ["a"]});
+        let with = |key: &str, value: serde_json::Value| {
+            let mut spec = minimal.clone();
+            spec[key] = value;
+            spec
+        };
+        let (key, reason) = refused(with("storage_class", "fast".into()));
+        assert_eq!(key, "profile/isolated-worker.storage_class", "{reason}");
+        assert!(reason.contains("unknown field"), "{reason}");
+        let (key, reason) = refused(with(
+            "env",
+            serde_json::json!([{"name": "A", "secret": "s", "key": 7}]),
+        ));
+        assert_eq!(key, "profile/isolated-worker.env.key", "{reason}");
+        assert!(reason.starts_with("entry 1: "), "{reason}");
+        let (key, _) = refused(with(
+            "storage",
+            serde_json::json!({"kind": "per-session", "size": "1Gb"}),
+        ));
+        assert_eq!(key, "profile/isolated-worker.storage.size");
+        let (key, _) = refused(serde_json::json!({"agent": ["a"]}));
+        assert_eq!(key, "profile/isolated-worker.image");
     }
 
     /// Lines built from the profile's own vocabulary, so generated documents get past the TOML

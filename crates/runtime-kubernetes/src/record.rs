@@ -176,7 +176,7 @@ pub(crate) struct SessionRecord {
     pub(crate) close: Option<CloseRecord>,
     pub(crate) created_at: u64,
     pub(crate) last_activity: u64,
-    /// The profile version (ConfigMap resourceVersion) the current worker was started with.
+    /// The profile version (the OabProfile's resourceVersion) the current worker was started with.
     pub(crate) profile_version: Option<String>,
     /// Retained claims of earlier incarnations.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -12,11 +12,11 @@ use async_trait::async_trait;
 use egress_proxy::gateway::GatewayKey;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use parking_lot::Mutex;
 use session_runtime::config::{KubernetesConfig, Reach};
@@ -109,7 +109,7 @@ struct Apis {
     policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy>,
     pods: Api<Pod>,
     claims: Api<PersistentVolumeClaim>,
-    profiles: Api<ConfigMap>,
+    profiles: Api<DynamicObject>,
     service_accounts: Api<k8s_openapi::api::core::v1::ServiceAccount>,
     events: SessionEvents,
 }
@@ -125,7 +125,7 @@ impl Apis {
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
             service_accounts: Api::namespaced(client.clone(), namespace),
-            profiles: Api::namespaced(client, namespace),
+            profiles: Api::namespaced_with(client, namespace, &WorkerProfile::resource()),
         }
     }
 }
@@ -581,20 +581,20 @@ impl KubernetesRuntime {
     }
 
     pub(crate) async fn profile(&self) -> Result<WorkerProfile> {
-        let map = self
+        let object = self
             .profiles()
             .await?
             .get_opt(&self.profile)
             .await
             .map_err(|e| api_error(&format!("reading the worker profile {}", self.profile), e))?;
-        let map = map.ok_or_else(|| Error::InvalidConfig {
+        let object = object.ok_or_else(|| Error::InvalidConfig {
             key: format!("profile/{}", self.profile),
             reason: format!(
-                "no ConfigMap {} in the sessions namespace; an administrator creates it (see deploy/kubernetes/profile-example.yaml)",
+                "no OabProfile {} in the sessions namespace; an administrator creates it (see deploy/kubernetes/profile-example.yaml)",
                 self.profile
             ),
         })?;
-        WorkerProfile::from_config_map(&map)
+        WorkerProfile::from_resource(&object)
     }
 
     /// Makes the session's volume, per the profile, and records it; then the session is created.
@@ -1853,7 +1853,7 @@ impl KubernetesRuntime {
         self.start_timeout
     }
 
-    async fn profiles(&self) -> Result<&Api<ConfigMap>> {
+    async fn profiles(&self) -> Result<&Api<DynamicObject>> {
         Ok(&self.apis().await?.profiles)
     }
 

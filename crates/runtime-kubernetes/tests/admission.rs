@@ -602,7 +602,7 @@ async fn the_brokers_exec_runs_only_the_relay_bridge() {
 
     let cluster = TestCluster::connect().await;
     let installation = unique_name("exec-bounded");
-    let profile = common::AdminConfigMap::profile(&cluster, &installation, common::WORKER_PROFILE).await;
+    let profile = common::AdminObject::profile(&cluster, &installation, common::WORKER_PROFILE).await;
     let runtime = common::runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "exec").expect("identity");
     let id = identity.id();

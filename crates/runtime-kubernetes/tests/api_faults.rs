@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{AdminConfigMap, WORKER_PROFILE};
+use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection};
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState};
@@ -22,7 +22,7 @@ use test_cluster::{unique_name, wait_until, TestCluster};
 fn runtime_with(
     cluster: &TestCluster,
     faults: &Faults,
-    profile: &AdminConfigMap,
+    profile: &AdminObject,
     installation: &str,
 ) -> Arc<KubernetesRuntime> {
     let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
@@ -54,7 +54,7 @@ fn expect_retryable(result: session_runtime::Result<impl std::fmt::Debug>, statu
 async fn throttling_and_server_errors_are_retryable_and_what_they_interrupt_is_finished() {
     let installation = unique_name("api-faults");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     for (thread, status) in [("t429", 429), ("t500", 500), ("t503", 503), ("t504", 504)] {
         let faults = Faults::new();
@@ -114,7 +114,7 @@ async fn throttling_and_server_errors_are_retryable_and_what_they_interrupt_is_f
 async fn a_controller_whose_watch_breaks_resumes_it_and_still_acts() {
     let installation = unique_name("broken-watch");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let faults = Faults::new();
     let runtime = runtime_with(&cluster, &faults, &profile, &installation);
     // The first watches of the anchors fail: the watcher backs off and watches again.

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime};
 use test_cluster::k8s_openapi::api::core::v1::Pod;
@@ -19,7 +19,7 @@ use test_cluster::TestCluster;
 async fn two_brokers_racing_attach_leave_one_worker_and_fence_the_loser() {
     const INSTALLATION: &str = "two-brokers";
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, INSTALLATION, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, INSTALLATION, WORKER_PROFILE).await;
     let first = runtime(&cluster, &profile, Reach::Exec, INSTALLATION);
     let second = runtime(&cluster, &profile, Reach::Exec, INSTALLATION);
     let identity = SessionIdentity::new(INSTALLATION, "agent", "test", "raced").expect("identity");

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::config::Reach;
 use session_runtime::conformance::{run_all, Target, BEHAVIOURS};
@@ -16,7 +16,7 @@ use test_cluster::TestCluster;
 
 async fn conformance(reach: Reach, installation: &str) {
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, reach, installation);
     let target = Target::new(Arc::<KubernetesRuntime>::clone(&runtime), installation).with_faults(Arc::<
         KubernetesRuntime,

@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection, Term};
 use session_runtime::config::Reach;
 use session_runtime::SessionRuntime;
@@ -87,7 +87,7 @@ fn start(
 async fn one_controller_leads_at_a_time_and_each_handover_has_a_newer_epoch() {
     let installation = unique_name("leader");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let resync = Duration::from_secs(60);
 
@@ -138,7 +138,7 @@ async fn one_controller_leads_at_a_time_and_each_handover_has_a_newer_epoch() {
 async fn a_leader_finishes_an_interrupted_close_from_the_watch_before_its_next_pass() {
     let installation = unique_name("watching");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     // The first full pass runs at once; the next only after the test is over.
     let mut leader = start(

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
 use test_cluster::k8s_openapi::api::core::v1::Pod;
@@ -54,7 +54,7 @@ async fn a_profiles_egress_becomes_a_policy_that_selects_its_workers_and_follows
     let installation = unique_name("egress");
     let cluster = TestCluster::connect().await;
     let document = format!("egress = [\"203.0.113.0/24\"]\n{WORKER_PROFILE}");
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "egress").expect("identity");
     let id = identity.id();
@@ -73,7 +73,7 @@ async fn a_profiles_egress_becomes_a_policy_that_selects_its_workers_and_follows
     drop(attachment);
 
     // The administrator takes the allowance away: the next worker start takes it from the cluster.
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = common::runtime(&cluster, &profile, Reach::Exec, &installation);
     let attachment = runtime.attach(&id).await.expect("attach again");
     let worker = pods.get(&format!("oab-w-{id}")).await.expect("the worker");

@@ -15,12 +15,12 @@
 //!   address, another session's name with this session's token, no credential, a malformed
 //!   request and an oversized head; it goes on serving the session after each.
 //!
-//! The gateway binary is the workspace's debug build (`cargo test --workspace` builds it; this
-//! test refuses an older one than its sources).
+//! The gateway binary is the workspace's debug build (`cargo test --workspace --all-features`
+//! builds it; this test refuses an older one than its sources).
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo build -p egress-proxy
-//! --bin oab-egress-gateway && cargo test -p runtime-kubernetes --all-features --test
-//! egress_gateway -- --ignored`.
+//! --features kubernetes --bin oab-egress-gateway && cargo test -p runtime-kubernetes
+//! --all-features --test egress_gateway -- --ignored`.
 
 mod common;
 
@@ -30,14 +30,17 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::agents::{one_turn, worker_pod, FakeModel, AGENT_IMAGE};
-use common::{builder, http_get, kubectl, AdminConfigMap, DeleteOnDrop};
+use common::{builder, http_get, kubectl, manifest_object, AdminObject, DeleteOnDrop};
 use egress_proxy::gateway::GatewayKey;
+use runtime_kubernetes::profile::WorkerProfile;
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime};
 use test_cluster::k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use test_cluster::k8s_openapi::ByteString;
-use test_cluster::kube::api::{ListParams, LogParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{
+    DynamicObject, ListParams, LogParams, ObjectMeta, Patch, PatchParams, PostParams,
+};
 use test_cluster::kube::Api;
 use test_cluster::{exec, unique_name, wait_until, TestCluster};
 
@@ -62,7 +65,7 @@ fn gateway_binary() -> PathBuf {
         .and_then(|m| m.modified())
         .unwrap_or_else(|e| {
             panic!(
-                "{}: {e} (cargo build -p egress-proxy --bin oab-egress-gateway)",
+                "{}: {e} (cargo build -p egress-proxy --features kubernetes --bin oab-egress-gateway)",
                 binary.display()
             )
         });
@@ -78,7 +81,7 @@ fn gateway_binary() -> PathBuf {
                     .expect("a source's time");
                 assert!(
                     changed <= built,
-                    "{} is older than {}: cargo build -p egress-proxy --bin oab-egress-gateway",
+                    "{} is older than {}: cargo build -p egress-proxy --features kubernetes --bin oab-egress-gateway",
                     binary.display(),
                     path.display()
                 );
@@ -95,10 +98,11 @@ struct DeployedGateway {
 }
 
 impl DeployedGateway {
-    /// Applies the gateway for profile `profile`, its model route's Secret `MODEL_SECRET`, with
-    /// `model.internal` and `shadow.internal` resolving to `model_ip` and `loop.internal` to
+    /// Applies the gateway (it follows every OabProfile of `namespace`), its model route's Secret
+    /// `MODEL_SECRET`, with `model.internal` and `shadow.internal` resolving to `model_ip` and
+    /// `loop.internal` to
     /// 127.0.0.1 in its Pods, and an allowance to reach `model_ip` on the model's port.
-    fn apply(namespace: &str, profile: &str, model_ip: &str) -> DeployedGateway {
+    fn apply(namespace: &str, model_ip: &str) -> DeployedGateway {
         let overlay = tempfile::tempdir().expect("an overlay directory");
         std::fs::copy(
             repo().join("deploy/kubernetes/egress-gateway.yaml"),
@@ -143,9 +147,6 @@ patches:
         value: Never
       - op: replace
         path: /spec/template/spec/volumes/1/projected/sources
-        value: [{{ configMap: {{ name: {profile}, items: [{{ key: profile.toml, path: {profile}.toml }}] }} }}]
-      - op: replace
-        path: /spec/template/spec/volumes/2/projected/sources
         value: [{{ secret: {{ name: {MODEL_SECRET}, items: [{{ key: openai, path: {MODEL_SECRET}/openai }}] }} }}]
       - op: add
         path: /spec/template/spec/hostAliases
@@ -202,15 +203,9 @@ const DOCUMENTED_GATEWAY: &str = "10.96.0.50:3128";
 /// address and Secret, and this cluster's image, storage and limits; plus destinations for the
 /// refusals (`egress_hosts`). Everything else (codex's arguments, the route's prefix, header and
 /// key variable) is the file's.
-fn codex_profile(model_ip: &str, gateway: &str) -> String {
-    let manifest = include_str!("../../../deploy/kubernetes/agents/codex.yaml");
-    let block: String = manifest
-        .lines()
-        .skip_while(|line| line.trim() != "profile.toml: |")
-        .skip(1)
-        .map(|line| format!("{}\n", line.strip_prefix("    ").unwrap_or(line)))
-        .collect();
-    let mut text = block;
+fn codex_profile(model_ip: &str, gateway: &str) -> serde_json::Value {
+    let manifest = manifest_object("deploy/kubernetes/agents/codex.yaml");
+    let mut text = serde_json::to_string(&manifest["spec"]).expect("JSON");
     for (documented, here) in [
         (DOCUMENTED_GATEWAY, gateway.to_owned()),
         (
@@ -225,21 +220,23 @@ fn codex_profile(model_ip: &str, gateway: &str) -> String {
         );
         text = text.replace(documented, &here);
     }
-    let mut profile: toml::Table = text.parse().expect("codex.yaml's profile is TOML");
-    let cluster: toml::Table = format!(
-        r#"
-image = "{AGENT_IMAGE}"
-image_pull_policy = "Never"
-termination_grace = "2s"
-egress_hosts = ["model.internal:{MODEL_PORT} private", "shadow.internal:{MODEL_PORT}", "loop.internal:{MODEL_PORT}"]
-resources = {{ memory_limit = "512Mi" }}
-storage = {{ kind = "per-session", class = "openab-test-local", size = "1Gi" }}
-"#
-    )
-    .parse()
-    .expect("TOML");
-    profile.extend(cluster);
-    toml::to_string(&profile).expect("a profile")
+    let mut profile: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let cluster = serde_json::json!({
+        "image": AGENT_IMAGE,
+        "image_pull_policy": "Never",
+        "termination_grace": "2s",
+        "egress_hosts": [
+            format!("model.internal:{MODEL_PORT} private"),
+            format!("shadow.internal:{MODEL_PORT}"),
+            format!("loop.internal:{MODEL_PORT}"),
+        ],
+        "resources": { "memory_limit": "512Mi" },
+        "storage": { "kind": "per-session", "class": "openab-test-local", "size": "1Gi" },
+    });
+    for (key, value) in cluster.as_object().expect("an object") {
+        profile[key] = value.clone();
+    }
+    profile
 }
 
 /// Where `needle` is, seen from a shell in the session's worker: the environment and command
@@ -367,13 +364,13 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
     let key = random_bytes(32);
     let _key_secret = secret(&cluster, "oab-egress-gateway-key", &[("key", &key)]).await;
     // The gateway reads only the profile's destinations and routes, which do not name it.
-    let profile = AdminConfigMap::profile(
+    let profile = AdminObject::profile_spec(
         &cluster,
         &installation,
-        &codex_profile(&model.ip, DOCUMENTED_GATEWAY),
+        codex_profile(&model.ip, DOCUMENTED_GATEWAY),
     )
     .await;
-    let deployed = DeployedGateway::apply(&namespace, &installation, &model.ip);
+    let deployed = DeployedGateway::apply(&namespace, &model.ip);
 
     let services: Api<Service> = Api::namespaced(cluster.admin(), &namespace);
     let service_ip = services
@@ -386,7 +383,7 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
     // Workers have no DNS: they reach the gateway by its Service's address.
     let gateway = format!("{service_ip}:{GATEWAY_PORT}");
     let profile =
-        AdminConfigMap::profile(&cluster, profile.name(), &codex_profile(&model.ip, &gateway)).await;
+        AdminObject::profile_spec(&cluster, profile.name(), codex_profile(&model.ip, &gateway)).await;
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), &namespace);
     wait_until(
         "both gateway replicas to be ready",
@@ -521,6 +518,38 @@ async fn codex_reaches_its_model_through_the_gateway_which_alone_holds_the_key_a
         );
         let again = from_worker(&pods, &pod, &gateway, &connect(&model_name, own())).await;
         assert!(again.starts_with("HTTP/1.1 200"), "served after {case}: {again}");
+    }
+
+    // A profile's change applies to its sessions' next requests, without restarting the
+    // gateway: with model.internal no longer among its hosts, the CONNECT answered above is
+    // refused; put back, it is answered again (by both replicas behind the Service).
+    let profiles: Api<DynamicObject> =
+        Api::namespaced_with(cluster.admin(), &namespace, &WorkerProfile::resource());
+    let listed_hosts = codex_profile(&model.ip, &gateway)["egress_hosts"].clone();
+    for (hosts, status) in [(serde_json::json!([]), "403"), (listed_hosts, "200")] {
+        profiles
+            .patch(
+                profile.name(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": { "egress_hosts": hosts } })),
+            )
+            .await
+            .expect("change the profile");
+        let request = connect(&model_name, own());
+        wait_until(
+            &format!("the gateway to answer {status} after the profile's change"),
+            Duration::from_secs(30),
+            || async {
+                for _ in 0..4 {
+                    let answer = from_worker(&pods, &pod, &gateway, &request).await;
+                    if !answer.starts_with(&format!("HTTP/1.1 {status}")) {
+                        return None;
+                    }
+                }
+                Some(())
+            },
+        )
+        .await;
     }
 
     // The metrics count what was answered, and are served to this host but not to the worker.

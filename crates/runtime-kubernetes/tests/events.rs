@@ -11,7 +11,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{
     CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SuspendReason,
@@ -68,7 +68,7 @@ async fn wait_for_reasons(
 async fn a_lifecycle_leaves_an_event_at_each_transition_on_the_anchor() {
     let installation = unique_name("events");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "events").expect("identity");
     let id = identity.id();
@@ -115,7 +115,7 @@ async fn a_start_failure_is_a_warning_naming_its_cause() {
     let cluster = TestCluster::connect().await;
     // An image the node does not have, never pulled: the kubelet says ErrImageNeverPull.
     let document = WORKER_PROFILE.replace("openab.dev/worker:test", "openab.dev/absent:test");
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "fails").expect("identity");
     let id = identity.id();

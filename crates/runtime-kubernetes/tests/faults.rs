@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{builder, AdminConfigMap, WORKER_PROFILE};
+use common::{builder, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{
     CloseReason, CreateOptions, Error, Retention, RetentionPolicy, SessionIdentity, SessionRuntime,
@@ -104,7 +104,7 @@ fn next(state: &mut u64) -> u64 {
 async fn a_broker_killed_mid_create_attach_or_close_leaves_nothing_orphaned_and_nothing_lost() {
     let installation = unique_name("faults");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let mut state = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |elapsed| elapsed.as_nanos() as u64 | 1);

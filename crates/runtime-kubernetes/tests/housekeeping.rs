@@ -11,7 +11,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{builder, AdminConfigMap, WORKER_PROFILE};
+use common::{builder, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{
     CloseReason, CreateOptions, Error, Retention, RetentionPolicy, SessionIdentity, SessionRuntime,
@@ -54,7 +54,7 @@ fn mounted_claim(pod: &Pod) -> Option<String> {
 async fn a_worker_whose_broker_went_away_is_suspended_once_idle_and_resumes_on_its_volume() {
     let installation = unique_name("idle");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let broker = builder(&cluster, &profile, Reach::Exec, &installation)
         .idle_ttl(IDLE_TTL)
         .build()
@@ -133,7 +133,7 @@ async fn a_worker_whose_broker_went_away_is_suspended_once_idle_and_resumes_on_i
 async fn retained_storage_of_an_earlier_session_expires_and_a_closed_record_holding_nothing_goes() {
     let installation = unique_name("expiry");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let mut retention = RetentionPolicy::default();
     retention.ended = Retention::Retain;
     retention.retain_for = Some(Duration::from_secs(3));
@@ -219,7 +219,7 @@ async fn retained_storage_of_an_earlier_session_expires_and_a_closed_record_hold
 async fn storage_no_record_names_is_reported_and_deleted_only_when_configured() {
     let installation = unique_name("orphans");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let named = SessionIdentity::new(&installation, "agent", "test", "named").expect("identity");
     let stray = SessionIdentity::new(&installation, "agent", "test", "stray")
         .expect("identity")

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use isolation_suite::{SharedInput, SuiteOptions};
 use session_runtime::config::Reach;
 use session_runtime::{IsolationLevel, SessionRuntime};
@@ -18,7 +18,7 @@ const SKILL: &str = "# A shared skill\nRead-only for every session.\n";
 
 async fn isolation(reach: Reach, installation: &str, image: &str) {
     let cluster = TestCluster::connect().await;
-    let skills = AdminConfigMap::install(
+    let skills = AdminObject::install(
         &cluster,
         &format!("{installation}-skills"),
         &[("SKILL.md", SKILL)],
@@ -31,7 +31,7 @@ async fn isolation(reach: Reach, installation: &str, image: &str) {
         WORKER_PROFILE.replace("openab.dev/worker:test", image),
         skills.name()
     );
-    let profile = AdminConfigMap::profile(&cluster, installation, &profile_text).await;
+    let profile = AdminObject::profile(&cluster, installation, &profile_text).await;
     let runtime = runtime(&cluster, &profile, reach, installation);
     assert_eq!(runtime.capabilities().isolation, IsolationLevel::Pod);
     let options = SuiteOptions::new(installation).with_shared_input(SharedInput::new("/skills/SKILL.md"));

@@ -14,7 +14,7 @@ use common::network::{
     connect_from, connect_from_host, from_worker, probe_through_silence, worker, worker_pod, Outcome,
     TestPod, API_SERVER_PORT, KUBERNETES_SERVICE_IP, LISTEN_PORT, NODE_ADDRESS,
 };
-use common::{runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{runtime, AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::config::Reach;
 use session_runtime::{CloseReason, SessionRuntime};
@@ -51,7 +51,7 @@ fn assert_deployed_policies_are_the_files() {
     );
 }
 
-fn setup(cluster: &TestCluster, profile: &AdminConfigMap, installation: &str) -> Arc<KubernetesRuntime> {
+fn setup(cluster: &TestCluster, profile: &AdminObject, installation: &str) -> Arc<KubernetesRuntime> {
     runtime(cluster, profile, Reach::PodIp, installation)
 }
 
@@ -61,7 +61,7 @@ async fn a_worker_reaches_no_other_pod_node_api_server_or_metadata_and_only_the_
     assert_deployed_policies_are_the_files();
     let cluster = TestCluster::connect().await;
     let installation = unique_name("netpol");
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = setup(&cluster, &profile, &installation);
     let a = worker(&cluster, &runtime, &installation, "a").await;
     let b = worker(&cluster, &runtime, &installation, "b").await;
@@ -145,7 +145,7 @@ async fn a_profiles_egress_opens_exactly_what_it_lists_and_closes_for_the_next_w
         "egress = [\"{}/32\", \"192.0.2.1/32\"]\n{WORKER_PROFILE}",
         listed.ip
     );
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = setup(&cluster, &profile, &installation);
     let open = worker(&cluster, &runtime, &installation, "open").await;
 
@@ -174,7 +174,7 @@ async fn a_profiles_egress_opens_exactly_what_it_lists_and_closes_for_the_next_w
     // The administrator takes the allowances away: the session's next worker is refused.
     let id = open.id;
     drop(open);
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = setup(&cluster, &profile, &installation);
     let attachment = runtime.attach(&id).await.expect("attach again");
     let (pod, _, _) = worker_pod(&cluster, &id).await;

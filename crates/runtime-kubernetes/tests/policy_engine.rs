@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::network::{worker, Outcome, TestPod};
-use common::{kubectl, runtime, AdminConfigMap, WORKER_PROFILE};
+use common::{kubectl, runtime, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::{CloseReason, SessionRuntime};
 use test_cluster::{unique_name, wait_until, TestCluster};
@@ -42,7 +42,7 @@ impl Drop for Restore {
 async fn deleting_the_policies_opens_a_relay_to_a_stranger_and_applying_them_closes_it() {
     let cluster = TestCluster::connect().await;
     let installation = unique_name("engine");
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, Reach::PodIp, &installation);
     let w = worker(&cluster, &runtime, &installation, "engine").await;
     let stranger = TestPod::prober(&cluster, "openab", &unique_name("stranger"), &[]).await;

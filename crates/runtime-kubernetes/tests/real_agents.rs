@@ -16,7 +16,7 @@ mod common;
 use std::time::Duration;
 
 use common::agents::{codex, one_turn, shell, FakeModel, AGENT_IMAGE};
-use common::{runtime, AdminConfigMap, DeleteOnDrop};
+use common::{runtime, AdminObject, DeleteOnDrop};
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{
@@ -94,9 +94,9 @@ async fn fresh_session(
 ) -> (
     std::sync::Arc<runtime_kubernetes::KubernetesRuntime>,
     SessionIdentity,
-    AdminConfigMap,
+    AdminObject,
 ) {
-    let profile = AdminConfigMap::profile(cluster, installation, &agent_profile(agent, model, key)).await;
+    let profile = AdminObject::profile(cluster, installation, &agent_profile(agent, model, key)).await;
     let runtime = runtime(cluster, &profile, reach, installation);
     let identity = SessionIdentity::new(installation, "agent", "test", installation).expect("identity");
     let _ = runtime.close(&identity.id(), CloseReason::Reset).await;

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{builder, AdminConfigMap, WORKER_PROFILE};
+use common::{builder, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::testing::{AcpClient, ClientError};
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkerFailure};
@@ -24,7 +24,7 @@ use test_cluster::{unique_name, TestCluster};
 async fn a_killed_worker_fails_its_attachment_and_the_next_attach_replaces_it_on_the_same_volume() {
     let installation = unique_name("recovery");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = builder(&cluster, &profile, Reach::PodIp, &installation)
         .relay_reconnect_budget(Duration::from_secs(600))
         .build()

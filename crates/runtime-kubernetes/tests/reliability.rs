@@ -15,7 +15,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{AdminConfigMap, WORKER_PROFILE};
+use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{
@@ -32,7 +32,7 @@ use test_cluster::{unique_name, wait_until, TestCluster};
 fn runtime_on(
     cluster: &TestCluster,
     client: test_cluster::kube::Client,
-    profile: &AdminConfigMap,
+    profile: &AdminObject,
     installation: &str,
     start_timeout: Duration,
 ) -> Arc<KubernetesRuntime> {
@@ -50,10 +50,10 @@ fn runtime_on(
 
 /// A cluster, the test worker profile for a fresh installation named after `purpose`, and a
 /// broker's runtime for it with a start timeout of a minute.
-async fn installation(purpose: &str) -> (TestCluster, String, AdminConfigMap, Arc<KubernetesRuntime>) {
+async fn installation(purpose: &str) -> (TestCluster, String, AdminObject, Arc<KubernetesRuntime>) {
     let installation = unique_name(purpose);
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime_on(
         &cluster,
         cluster.broker(),
@@ -160,7 +160,7 @@ async fn an_attach_the_node_has_no_room_for_leaves_nothing_that_takes_a_resuming
             &format!("[resources]\ncpu_request = \"{request}m\"\n")
         )
     );
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime_on(
         &cluster,
         cluster.broker(),
@@ -209,7 +209,7 @@ async fn an_attach_the_node_has_no_room_for_leaves_nothing_that_takes_a_resuming
 async fn an_attach_the_api_server_stopped_answering_leaves_no_unattended_worker_after_reconcile() {
     let installation = unique_name("api-outage");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let start_timeout = Duration::from_secs(5);
     let healthy = runtime_on(&cluster, cluster.broker(), &profile, &installation, start_timeout);
     let mut ids = Vec::new();

@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{builder, AdminConfigMap, WORKER_PROFILE};
+use common::{builder, AdminObject, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime};
@@ -24,7 +24,7 @@ use worker_relay::BrokerKey;
 async fn a_restarted_broker_takes_the_worker_over_and_the_turn_in_flight_continues() {
     let installation = unique_name("restart");
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let key = || BrokerKey::new(vec![42; 32]);
     let before = builder(&cluster, &profile, Reach::PodIp, &installation)
         .broker_key(key())

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{runtime, AdminConfigMap, DeleteOnDrop, WORKER_PROFILE};
+use common::{runtime, AdminObject, DeleteOnDrop, WORKER_PROFILE};
 use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkspaceSeed};
@@ -94,7 +94,7 @@ async fn git_server(cluster: &TestCluster, name: &str, token: &str) -> GitServer
 async fn a_home_template_and_a_clone_of_a_branch_seed_the_session_and_the_job_goes() {
     let installation = unique_name("seeds");
     let cluster = TestCluster::connect().await;
-    let home = AdminConfigMap::install(
+    let home = AdminObject::install(
         &cluster,
         &format!("{installation}-home"),
         &[
@@ -114,7 +114,7 @@ async fn a_home_template_and_a_clone_of_a_branch_seed_the_session_and_the_job_go
     // A server at a private address: the profile lists it for its seeds' egress, as an
     // operator with an in-cluster git server does.
     let document = format!("seed_hosts = [\"git://{ip}\"]\negress = [\"{ip}/32\"]\n{document}");
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
 
     let identity = SessionIdentity::new(&installation, "agent", "test", "seeded").expect("identity");
@@ -211,7 +211,7 @@ async fn an_ephemeral_volume_cannot_be_seeded() {
         reference: None,
     };
     let document = format!("seed_hosts = [\"git://10.244.0.1\"]\n{document}");
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     match runtime
         .create(&identity, &CreateOptions::new().with_workspace_seed(seed))
@@ -258,7 +258,7 @@ async fn set_loan(
 async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refused() {
     let installation = unique_name("copy-seed");
     let cluster = TestCluster::connect().await;
-    let home = AdminConfigMap::install(
+    let home = AdminObject::install(
         &cluster,
         &format!("{installation}-home"),
         &[(".agentrc", "from the template\n")],
@@ -268,7 +268,7 @@ async fn a_copy_of_an_idle_session_seeds_the_new_one_and_a_source_in_use_is_refu
         "{WORKER_PROFILE}\n[home_template]\nconfig_map = \"{}\"\n",
         home.name()
     );
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let thread = |name: &str| SessionIdentity::new(&installation, "agent", "test", name).expect("identity");
     let (source, fork, other) = (thread("source"), thread("fork"), thread("other"));
@@ -453,7 +453,7 @@ async fn on_a_borrowed_volume_no_clone_url_reaches_another_sessions_repository()
     // A server at a private address: the profile lists it for its seeds' egress, as an
     // operator with an in-cluster git server does.
     let document = format!("seed_hosts = [\"git://{ip}\"]\negress = [\"{ip}/32\"]\n{document}");
-    let profile = AdminConfigMap::profile(&cluster, &installation, &document).await;
+    let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let thread = |name: &str| SessionIdentity::new(&installation, "agent", "test", name).expect("identity");
     let (victim, intruder) = (thread("victim"), thread("intruder"));

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{AdminConfigMap, WORKER_PROFILE};
+use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkerFailure};
@@ -22,7 +22,7 @@ use test_cluster::TestCluster;
 /// Attaches a fresh session under `profile` and returns how the start failed.
 async fn start_failure(installation: &str, profile: &str, start_timeout: Duration) -> WorkerFailure {
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, installation, profile).await;
+    let profile = AdminObject::profile(&cluster, installation, profile).await;
     let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
     config.reach = Reach::Exec;
     config.start_timeout = start_timeout;
@@ -70,7 +70,7 @@ async fn an_agent_over_its_memory_limit_is_killed_and_the_relay_reports_it() {
         )
         .replace(r#"memory_limit = "256Mi""#, r#"memory_limit = "64Mi""#);
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, "fail-memory", &profile).await;
+    let profile = AdminObject::profile(&cluster, "fail-memory", &profile).await;
     let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
     config.reach = Reach::Exec;
     let runtime = KubernetesRuntime::builder(cluster.broker(), config)
@@ -126,7 +126,7 @@ async fn a_missing_runtime_class_is_refused_at_admission() {
 #[ignore = "needs a cluster: scripts/cluster up, then cargo test -- --ignored"]
 async fn an_object_under_the_sessions_name_that_is_not_its_own_is_never_adopted() {
     let cluster = TestCluster::connect().await;
-    let profile = AdminConfigMap::profile(&cluster, "foreign", WORKER_PROFILE).await;
+    let profile = AdminObject::profile(&cluster, "foreign", WORKER_PROFILE).await;
     let runtime = KubernetesRuntime::builder(
         cluster.broker(),
         KubernetesConfig::new(cluster.sessions_namespace(), profile.name()),

@@ -71,6 +71,20 @@ mod egress;
 mod values;
 
 pub use egress::{AddressKind, EgressTarget};
+
+/// The custom resource a Kubernetes worker profile is written as: `OabProfile`
+/// (`openab.dev/v1alpha1`, `oabprofiles`), its `spec` the profile's keys. Named here because
+/// both the runtime and the egress gateway read it.
+pub mod profile_resource {
+    /// The API group.
+    pub const GROUP: &str = "openab.dev";
+    /// The served version.
+    pub const VERSION: &str = "v1alpha1";
+    /// The kind.
+    pub const KIND: &str = "OabProfile";
+    /// The resource's plural name, as in its URL path.
+    pub const PLURAL: &str = "oabprofiles";
+}
 use values::{check_mount_path, quoted, serde_byte_size_option};
 pub use values::{parse_quantity, serde_duration};
 
@@ -1517,28 +1531,11 @@ pub fn deserialize_toml<T: DeserializeOwned>(text: &str, key: &str, file: Option
 /// `session_runtime`. `file` names the document after its line and column.
 fn deserialize_toml_below<T: DeserializeOwned>(text: &str, prefix: &[&str], file: Option<&str>) -> Result<T> {
     serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|err| {
-        let mut key: Vec<&str> = prefix.to_vec();
-        let mut entries = Vec::new();
-        for segment in err.path() {
-            match segment {
-                serde_path_to_error::Segment::Map { key: part } => key.push(part),
-                serde_path_to_error::Segment::Seq { index } => entries.push(index + 1),
-                serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {}
-            }
-        }
-        let key = if key.is_empty() {
-            SECTION_NAME.to_owned()
-        } else {
-            key.join(".")
-        };
+        let (key, mut reason) = key_and_entries(prefix, err.path());
         let inner = err.inner();
-        let mut reason = String::new();
         // Every value here sits below a table, so an error at the root is in the TOML syntax.
         if err.path().iter().next().is_none() {
-            reason.push_str("not valid TOML: ");
-        }
-        for entry in entries {
-            reason.push_str(&format!("entry {entry}: "));
+            reason.insert_str(0, "not valid TOML: ");
         }
         let message = inner.message().trim();
         if message.is_empty() {
@@ -1554,6 +1551,45 @@ fn deserialize_toml_below<T: DeserializeOwned>(text: &str, prefix: &[&str], file
         }
         Error::InvalidConfig { key, reason }
     })
+}
+
+/// Deserializes a document that arrived as JSON (a custom resource's `spec`), reporting any
+/// failure as [`deserialize_toml`] does: the key is `key` followed by the dotted path of the
+/// offending key, and a problem in the `n`th entry of an array starts its reason with
+/// `entry n: `.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] for an unknown key (with `#[serde(deny_unknown_fields)]`) or a value
+/// of the wrong type or format.
+pub fn deserialize_json<T: DeserializeOwned>(value: serde_json::Value, key: &str) -> Result<T> {
+    serde_path_to_error::deserialize(value).map_err(|err| {
+        let (key, mut reason) = key_and_entries(&[key], err.path());
+        reason.push_str(&err.inner().to_string());
+        Error::InvalidConfig { key, reason }
+    })
+}
+
+/// The dotted key of `path` below `prefix` (or the section's name when both are empty), and the
+/// reason's start naming each array entry on the way (`entry 2: `).
+fn key_and_entries(prefix: &[&str], path: &serde_path_to_error::Path) -> (String, String) {
+    let mut key: Vec<&str> = prefix.to_vec();
+    let mut entries = String::new();
+    for segment in path {
+        match segment {
+            serde_path_to_error::Segment::Map { key: part } => key.push(part),
+            serde_path_to_error::Segment::Seq { index } => {
+                entries.push_str(&format!("entry {}: ", index + 1))
+            }
+            serde_path_to_error::Segment::Enum { .. } | serde_path_to_error::Segment::Unknown => {}
+        }
+    }
+    let key = if key.is_empty() {
+        SECTION_NAME.to_owned()
+    } else {
+        key.join(".")
+    };
+    (key, entries)
 }
 
 /// The 1-based line and column (in characters) of byte `offset` in `text`.

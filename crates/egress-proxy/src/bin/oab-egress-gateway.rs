@@ -2,24 +2,29 @@
 //! `gateway` module of the `egress-proxy` crate).
 //!
 //! A binary of its own rather than a subcommand of `oab-runtime`: it goes into a minimal image
-//! of its own beside the workers, and holds none of the runtime backends (nor their clients of
-//! the API server), so what a worker can reach through the network is this proxy only.
+//! of its own beside the workers, and holds none of the runtime backends, so what a worker can
+//! reach through the network is this proxy only. Its one client of the API server reads the
+//! worker profiles (`--profiles-from`, with a token that may only get, list and watch
+//! OabProfiles): the administrator's objects are the one source of what each profile may reach.
 //!
 //! ```text
-//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles /etc/oab-gateway/profiles \
+//! oab-egress-gateway --key-file /etc/oab-gateway/key --profiles-from openab-sessions \
 //!     [--secrets /etc/oab-gateway/secrets] [--listen 0.0.0.0:3128] [--metrics-listen 0.0.0.0:9090]
+//! oab-egress-gateway --key-file KEY --profiles DIR ...   (profiles as NAME.toml files)
 //! ```
 //!
 //! It serves until SIGTERM or SIGINT. Exit codes: 0 after a signal, 2 for bad arguments or
 //! files (the message names the file and the key), 1 if it cannot listen.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use egress_proxy::gateway::{load_profiles, Gateway, GatewayKey};
+use egress_proxy::gateway::{load_profiles, profile_egress_from_spec, Gateway, GatewayKey};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
@@ -36,9 +41,17 @@ struct Args {
     #[arg(long)]
     key_file: PathBuf,
     /// The directory of worker profiles, `NAME.toml` each (their `egress_hosts` and
-    /// `model_routes` are read).
+    /// `model_routes` are read), read once at start.
+    #[arg(
+        long,
+        conflicts_with = "profiles_from",
+        required_unless_present = "profiles_from"
+    )]
+    profiles: Option<PathBuf>,
+    /// The namespace whose OabProfiles are the worker profiles (the sessions namespace), read
+    /// from the API server with the Pod's token and followed as they change.
     #[arg(long)]
-    profiles: PathBuf,
+    profiles_from: Option<String>,
     /// Where the model routes' Secrets are mounted: the credential of `secret = {name, key}`
     /// is the file `SECRETS/NAME/KEY`, read at each request.
     #[arg(long, default_value = egress_proxy::gateway::DEFAULT_SECRETS_DIR)]
@@ -65,12 +78,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let profiles = match load_profiles(&args.profiles) {
-        Ok(profiles) => profiles,
-        Err(error) => {
-            eprintln!("oab-egress-gateway: {}: {error}", args.profiles.display());
-            return ExitCode::from(2);
-        }
+    let profiles = match &args.profiles {
+        Some(dir) => match load_profiles(dir) {
+            Ok(profiles) => profiles,
+            Err(error) => {
+                eprintln!("oab-egress-gateway: {}: {error}", dir.display());
+                return ExitCode::from(2);
+            }
+        },
+        // Filled from the API server before the gateway reports ready.
+        None => Default::default(),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -104,15 +121,112 @@ fn main() -> ExitCode {
         let routes: usize = profiles.values().map(|profile| profile.model_routes.len()).sum();
         tracing::info!(listen = %args.listen, profiles = profiles.len(), routes, "egress gateway serving");
         let gateway = Arc::new(Gateway::new(key, profiles, &args.secrets));
-        let serving = tokio::spawn(gateway.serve(listener, stop.clone()));
-        readiness.set(true);
+        let serving = tokio::spawn(Arc::clone(&gateway).serve(listener, stop.clone()));
+        let following = match args.profiles_from {
+            Some(namespace) => {
+                let client = match kube::Client::try_default().await {
+                    Ok(client) => client,
+                    Err(error) => {
+                        eprintln!(
+                            "oab-egress-gateway: no client of the API server for --profiles-from: {error}"
+                        );
+                        stop.cancel();
+                        return ExitCode::from(1);
+                    }
+                };
+                Some(tokio::spawn(follow_profiles(
+                    client,
+                    namespace,
+                    gateway,
+                    readiness.clone(),
+                )))
+            }
+            None => {
+                readiness.set(true);
+                None
+            }
+        };
         tokio::select! {
             _ = terminate.recv() => {}
             _ = interrupt.recv() => {}
+        }
+        if let Some(following) = following {
+            following.abort();
         }
         stop.cancel();
         let _ = serving.await;
         tracing::info!("egress gateway stopped");
         ExitCode::SUCCESS
     })
+}
+
+/// Serves the OabProfiles of `namespace` as they are: the first list, then every change (a
+/// watch, resumed with backoff when it breaks), each replacing the gateway's profiles whole. The
+/// gateway reports ready once the first list is in. A profile whose `egress_hosts` or
+/// `model_routes` are refused is left out (its sessions reach nothing) and logged with the key.
+async fn follow_profiles(
+    client: kube::Client,
+    namespace: String,
+    gateway: Arc<Gateway>,
+    readiness: ops_http::Readiness,
+) {
+    use futures_util::StreamExt;
+    use kube::runtime::{watcher, WatchStreamExt};
+    use session_runtime::config::profile_resource;
+
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(
+            profile_resource::GROUP,
+            profile_resource::VERSION,
+            profile_resource::KIND,
+        ),
+        profile_resource::PLURAL,
+    );
+    let api: kube::Api<DynamicObject> = kube::Api::namespaced_with(client, &namespace, &resource);
+    let mut events = std::pin::pin!(watcher(api, watcher::Config::default()).default_backoff());
+    let mut profiles: HashMap<String, DynamicObject> = HashMap::new();
+    // The objects of a list in progress (the first, or a relist after a broken watch).
+    let mut listing: Option<HashMap<String, DynamicObject>> = None;
+    while let Some(event) = events.next().await {
+        match event {
+            Err(error) => {
+                tracing::warn!(namespace, %error, "watching OabProfiles; retrying");
+                continue;
+            }
+            Ok(watcher::Event::Init) => listing = Some(Default::default()),
+            Ok(watcher::Event::InitApply(object)) => {
+                if let Some(listed) = listing.as_mut() {
+                    listed.insert(object.metadata.name.clone().unwrap_or_default(), object);
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                profiles = listing.take().unwrap_or_default();
+            }
+            Ok(watcher::Event::Apply(object)) => {
+                profiles.insert(object.metadata.name.clone().unwrap_or_default(), object);
+            }
+            Ok(watcher::Event::Delete(object)) => {
+                profiles.remove(object.metadata.name.as_deref().unwrap_or_default());
+            }
+        }
+        if listing.is_some() {
+            continue;
+        }
+        let mut served = HashMap::new();
+        for (name, object) in &profiles {
+            let spec = object.data.get("spec").cloned().unwrap_or_default();
+            match profile_egress_from_spec(name, &spec) {
+                Ok(egress) => {
+                    served.insert(name.clone(), egress);
+                }
+                Err(error) => {
+                    tracing::warn!(key = %error.key, problem = %error.problem, "profile refused; its sessions reach nothing")
+                }
+            }
+        }
+        let routes: usize = served.values().map(|profile| profile.model_routes.len()).sum();
+        tracing::info!(namespace, profiles = served.len(), routes, "serving the profiles");
+        gateway.replace_profiles(served);
+        readiness.set(true);
+    }
 }

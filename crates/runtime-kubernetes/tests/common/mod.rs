@@ -9,11 +9,11 @@ use std::sync::Arc;
 pub mod agents;
 pub mod network;
 
-use runtime_kubernetes::profile::PROFILE_KEY;
+use runtime_kubernetes::profile::WorkerProfile;
 use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 use session_runtime::config::{KubernetesConfig, Reach};
 use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
-use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{DeleteParams, DynamicObject, ObjectMeta, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::TestCluster;
 
@@ -33,15 +33,16 @@ class = "openab-test-local"
 size = "1Gi"
 "#;
 
-/// A ConfigMap an administrator made in the sessions namespace, removed when dropped.
-pub struct AdminConfigMap {
+/// An object an administrator made in the sessions namespace (a ConfigMap, or a worker profile as
+/// an `OabProfile`), removed when dropped.
+pub struct AdminObject {
     name: String,
     _delete: DeleteOnDrop,
 }
 
-impl AdminConfigMap {
+impl AdminObject {
     /// Creates (or replaces) ConfigMap `name` with `data`.
-    pub async fn install(cluster: &TestCluster, name: &str, data: &[(&str, &str)]) -> AdminConfigMap {
+    pub async fn install(cluster: &TestCluster, name: &str, data: &[(&str, &str)]) -> AdminObject {
         let maps: Api<ConfigMap> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
         let map = ConfigMap {
             metadata: ObjectMeta {
@@ -59,15 +60,40 @@ impl AdminConfigMap {
         maps.create(&PostParams::default(), &map)
             .await
             .expect("install the ConfigMap");
-        AdminConfigMap {
+        AdminObject {
             name: name.to_owned(),
             _delete: DeleteOnDrop::new::<ConfigMap>(cluster, cluster.sessions_namespace(), name),
         }
     }
 
-    /// A worker profile named `name`.
-    pub async fn profile(cluster: &TestCluster, name: &str, document: &str) -> AdminConfigMap {
-        Self::install(cluster, name, &[(PROFILE_KEY, document)]).await
+    /// A worker profile named `name` (an `OabProfile`), from its TOML form.
+    pub async fn profile(cluster: &TestCluster, name: &str, document: &str) -> AdminObject {
+        let object = WorkerProfile::resource_from_toml(name, document).expect("a profile in TOML");
+        Self::profile_object(cluster, name, object).await
+    }
+
+    /// A worker profile named `name` (an `OabProfile`) whose `spec` is `spec`.
+    pub async fn profile_spec(cluster: &TestCluster, name: &str, spec: serde_json::Value) -> AdminObject {
+        let mut object = DynamicObject::new(name, &WorkerProfile::resource());
+        object.data = serde_json::json!({ "spec": spec });
+        Self::profile_object(cluster, name, object).await
+    }
+
+    async fn profile_object(cluster: &TestCluster, name: &str, object: DynamicObject) -> AdminObject {
+        let profiles: Api<DynamicObject> = Api::namespaced_with(
+            cluster.admin(),
+            cluster.sessions_namespace(),
+            &WorkerProfile::resource(),
+        );
+        let _ = profiles.delete(name, &DeleteParams::default()).await;
+        profiles
+            .create(&PostParams::default(), &object)
+            .await
+            .unwrap_or_else(|e| panic!("install the OabProfile {name}: {e}"));
+        AdminObject {
+            name: name.to_owned(),
+            _delete: DeleteOnDrop::profile(cluster, cluster.sessions_namespace(), name),
+        }
     }
 
     /// Its name.
@@ -112,10 +138,40 @@ pub fn kubectl(args: &[&str]) {
     );
 }
 
+/// The object of the manifest at `path` (relative to the repository) as JSON, as the API
+/// server's dry run of applying it returns it (whether or not it exists): the file passed the
+/// resource's schema.
+pub fn manifest_object(path: &str) -> serde_json::Value {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path);
+    let output = std::process::Command::new("kubectl")
+        .args([
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "--force-conflicts",
+            "--field-manager",
+            "openab-test",
+            "-o",
+            "json",
+            "-f",
+        ])
+        .arg(&file)
+        .output()
+        .expect("kubectl (scripts/cluster env puts it on PATH)");
+    assert!(
+        output.status.success(),
+        "the API server refused {path}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("kubectl's JSON")
+}
+
 /// A runtime builder for `installation` with the broker's identity, the profile and the reach.
 pub fn builder(
     cluster: &TestCluster,
-    profile: &AdminConfigMap,
+    profile: &AdminObject,
     reach: Reach,
     installation: &str,
 ) -> KubernetesRuntimeBuilder {
@@ -127,7 +183,7 @@ pub fn builder(
 /// A runtime for `installation` with the broker's identity, the profile and the reach.
 pub fn runtime(
     cluster: &TestCluster,
-    profile: &AdminConfigMap,
+    profile: &AdminObject,
     reach: Reach,
     installation: &str,
 ) -> Arc<KubernetesRuntime> {
@@ -142,7 +198,7 @@ pub fn runtime(
 /// up to `within` for someone else (a controller) to finish that close. Returns the session.
 pub async fn finished_interrupted_close(
     cluster: &TestCluster,
-    profile: &AdminConfigMap,
+    profile: &AdminObject,
     installation: &str,
     thread: &str,
     within: std::time::Duration,
@@ -220,6 +276,29 @@ impl DeleteOnDrop {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
             delete: delete::<K>,
+        }
+    }
+}
+
+impl DeleteOnDrop {
+    /// Deletes the `OabProfile` named `name` in `namespace` when dropped.
+    pub fn profile(cluster: &TestCluster, namespace: &str, name: &str) -> DeleteOnDrop {
+        fn delete(
+            client: test_cluster::kube::Client,
+            namespace: &str,
+            name: &str,
+        ) -> futures_util::future::BoxFuture<'static, ()> {
+            let api: Api<DynamicObject> = Api::namespaced_with(client, namespace, &WorkerProfile::resource());
+            let name = name.to_owned();
+            Box::pin(async move {
+                let _ = api.delete(&name, &DeleteParams::default()).await;
+            })
+        }
+        DeleteOnDrop {
+            config: cluster.admin_config(),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            delete,
         }
     }
 }
