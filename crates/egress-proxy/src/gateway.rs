@@ -185,7 +185,7 @@ struct SessionEntry {
 }
 
 /// The profiles a gateway serves, replaced whole when they change.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Served {
     profiles: HashMap<String, ServedProfile>,
     /// Every model route's credential header, where a route's request carries its key.

@@ -236,8 +236,11 @@ pub struct DeleteOnDrop {
     config: test_cluster::kube::Config,
     namespace: String,
     name: String,
-    delete: fn(test_cluster::kube::Client, &str, &str) -> futures_util::future::BoxFuture<'static, ()>,
+    delete: DeleteFn,
 }
+
+/// How a [`DeleteOnDrop`] deletes its object: client, namespace, name.
+type DeleteFn = fn(test_cluster::kube::Client, &str, &str) -> futures_util::future::BoxFuture<'static, ()>;
 
 impl DeleteOnDrop {
     /// Deletes the object of kind `K` named `name` in `namespace` when dropped.
@@ -271,16 +274,9 @@ impl DeleteOnDrop {
                 let _ = api.delete(&name, &DeleteParams::default()).await;
             })
         }
-        DeleteOnDrop {
-            config: cluster.admin_config(),
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-            delete: delete::<K>,
-        }
+        Self::with(cluster, namespace, name, delete::<K>)
     }
-}
 
-impl DeleteOnDrop {
     /// Deletes the `OabProfile` named `name` in `namespace` when dropped.
     pub fn profile(cluster: &TestCluster, namespace: &str, name: &str) -> DeleteOnDrop {
         fn delete(
@@ -294,6 +290,10 @@ impl DeleteOnDrop {
                 let _ = api.delete(&name, &DeleteParams::default()).await;
             })
         }
+        Self::with(cluster, namespace, name, delete)
+    }
+
+    fn with(cluster: &TestCluster, namespace: &str, name: &str, delete: DeleteFn) -> DeleteOnDrop {
         DeleteOnDrop {
             config: cluster.admin_config(),
             namespace: namespace.to_owned(),
