@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use runtime_kubernetes::profile::WorkerProfile;
+use runtime_kubernetes::OabSession;
 use test_cluster::k8s_openapi::api::coordination::v1::Lease;
 use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
 use test_cluster::kube::api::{DeleteParams, DynamicObject, ObjectMeta, PostParams};
@@ -208,30 +209,19 @@ fn kubectl(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// Rewrites the session's record on its anchor, through the admin's client.
-async fn edit_record(leases: &Api<Lease>, name: &str, edit: impl FnOnce(&mut serde_json::Value)) {
-    let mut anchor = leases.get(name).await.expect("the anchor");
-    let annotations = anchor.metadata.annotations.as_mut().expect("annotations");
-    let mut record: serde_json::Value =
-        serde_json::from_str(&annotations["openab.dev/record"]).expect("the record is JSON");
-    edit(&mut record);
-    annotations.insert("openab.dev/record".into(), record.to_string());
-    leases
-        .replace(name, &PostParams::default(), &anchor)
+/// Rewrites the session's record in its anchor's status, through the admin's client.
+async fn edit_record(anchors: &Api<OabSession>, name: &str, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut anchor = anchors.get(name).await.expect("the anchor");
+    edit(&mut anchor.status.as_mut().expect("a recorded session").record);
+    anchors
+        .replace_status(name, &PostParams::default(), &anchor)
         .await
         .expect("write the record");
 }
 
-async fn record_of(leases: &Api<Lease>, name: &str) -> serde_json::Value {
-    let anchor = leases.get(name).await.expect("the anchor");
-    let text = anchor
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get("openab.dev/record"))
-        .expect("a record")
-        .clone();
-    serde_json::from_str(&text).expect("the record is JSON")
+async fn record_of(anchors: &Api<OabSession>, name: &str) -> serde_json::Value {
+    let anchor = anchors.get(name).await.expect("the anchor");
+    anchor.status.expect("a recorded session").record
 }
 
 /// The body of `GET path` at `ip:port`, if answered `200`.
@@ -312,6 +302,7 @@ patches:
 
     // One of the two replicas leads: the Lease names one of the Deployment's Pods.
     let pods: Api<test_cluster::k8s_openapi::api::core::v1::Pod> = Api::namespaced(cluster.admin(), "openab");
+    let anchors: Api<OabSession> = Api::namespaced(cluster.admin(), &namespace);
     let leases: Api<Lease> = Api::namespaced(cluster.admin(), &namespace);
     let leader_lease = format!("oab-leader-{installation}");
     let leader = || async {
@@ -363,9 +354,9 @@ patches:
         .close(&done.id(), openab_runtime::CloseReason::Reset)
         .await
         .expect("close");
-    let closed = record_of(&leases, &format!("oab-s-{}", done.id())).await;
+    let closed = record_of(&anchors, &format!("oab-s-{}", done.id())).await;
     let anchor = format!("oab-s-{}", interrupted.id());
-    edit_record(&leases, &anchor, |record| {
+    edit_record(&anchors, &anchor, |record| {
         record["phase"] = serde_json::json!("closing");
         let mut close = closed["close"].clone();
         close["storage_done"] = serde_json::json!(false);
@@ -375,7 +366,7 @@ patches:
     wait_until(
         "the in-cluster controller to finish the close",
         Duration::from_secs(60),
-        || async { (record_of(&leases, &anchor).await["phase"] == "closed").then_some(()) },
+        || async { (record_of(&anchors, &anchor).await["phase"] == "closed").then_some(()) },
     )
     .await;
 

@@ -27,12 +27,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use runtime_kubernetes::profile::WorkerProfile;
-use runtime_kubernetes::KubernetesRuntime;
+use runtime_kubernetes::{KubernetesRuntime, OabSession};
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason};
 use test_cluster::faults::Faults;
-use test_cluster::k8s_openapi::api::coordination::v1::Lease;
 use test_cluster::k8s_openapi::api::core::v1::Pod;
 use test_cluster::kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
 use test_cluster::kube::Api;
@@ -393,13 +392,15 @@ async fn reconcile_over_many_anchors(
         counts.values().sum::<usize>(),
         report.is_clean()
     );
-    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
-    let _ = leases
+    // Deleted OabSessions are closes: one more pass carries them out and removes them.
+    let anchors: Api<OabSession> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let _ = anchors
         .delete_collection(
             &DeleteParams::default(),
             &ListParams::default().labels(&format!("openab.dev/installation={installation}")),
         )
         .await;
+    let _ = runtime.reconcile().await;
 }
 
 fn percentile(samples: &mut [Duration], fraction: f64) -> Duration {

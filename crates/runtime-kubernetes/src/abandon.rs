@@ -13,12 +13,12 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Preconditions};
 use kube::{Api, ResourceExt};
 use session_runtime::{Generation, Result, SessionId, SessionState, SuspendReason};
 
+use crate::anchor::OabSession;
 use crate::api::{api_error, is_status};
 use crate::names;
 use crate::record::{now, FailedStart, Phase, SessionRecord};
@@ -39,7 +39,7 @@ pub(crate) struct Before {
 /// An attach between its generation's compare-and-swap and a serving worker. Dropped while
 /// armed (the caller cancelled the attach), it undoes the attach on a task of its own.
 pub(crate) struct AttachInFlight {
-    leases: Api<Lease>,
+    anchors: Api<OabSession>,
     pods: Api<Pod>,
     id: SessionId,
     generation: Generation,
@@ -49,14 +49,14 @@ pub(crate) struct AttachInFlight {
 
 impl AttachInFlight {
     pub(crate) fn new(
-        leases: Api<Lease>,
+        anchors: Api<OabSession>,
         pods: Api<Pod>,
         id: SessionId,
         generation: Generation,
         before: Before,
     ) -> Self {
         AttachInFlight {
-            leases,
+            anchors,
             pods,
             id,
             generation,
@@ -76,7 +76,7 @@ impl AttachInFlight {
     pub(crate) async fn failed(mut self, error: &session_runtime::Error) {
         self.armed = false;
         let undone = undo(
-            &self.leases,
+            &self.anchors,
             &self.pods,
             &self.id,
             self.generation,
@@ -98,8 +98,8 @@ impl Drop for AttachInFlight {
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (leases, pods, id, generation, before) = (
-            self.leases.clone(),
+        let (anchors, pods, id, generation, before) = (
+            self.anchors.clone(),
             self.pods.clone(),
             self.id,
             self.generation,
@@ -107,7 +107,7 @@ impl Drop for AttachInFlight {
         );
         handle.spawn(async move {
             let why = "the attach was cancelled before its worker served";
-            if let Err(error) = undo(&leases, &pods, &id, generation, Some(before), why).await {
+            if let Err(error) = undo(&anchors, &pods, &id, generation, Some(before), why).await {
                 tracing::warn!(session = %id, generation, "undoing a cancelled attach (reconcile finishes it): {error}");
             }
         });
@@ -125,7 +125,7 @@ impl Drop for AttachInFlight {
 /// A second call finds the record already changed and the Pod gone, and changes nothing. A newer
 /// generation, or a session someone suspended or closed meanwhile, is left alone.
 pub(crate) async fn undo(
-    leases: &Api<Lease>,
+    anchors: &Api<OabSession>,
     pods: &Api<Pod>,
     id: &SessionId,
     generation: Generation,
@@ -134,17 +134,19 @@ pub(crate) async fn undo(
 ) -> Result<()> {
     let anchor = names::anchor(id);
     for _ in 0..CAS_ATTEMPTS {
-        let Some(lease) = leases
+        let Some(anchor) = anchors
             .get_opt(&anchor)
             .await
             .map_err(|e| api_error(&format!("reading session {id}"), e))?
         else {
             break;
         };
-        if !names::belongs_to(&lease.metadata, id) {
+        if !names::belongs_to(&anchor.metadata, id) {
             break;
         }
-        let record = SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref())?;
+        let Some(record) = anchor.record(id)? else {
+            break;
+        };
         if record.generation != generation || record.state() != SessionState::Running {
             break;
         }
@@ -161,7 +163,7 @@ pub(crate) async fn undo(
             generation,
             error: why.to_owned(),
         });
-        match swap_anchor(leases, &lease, &next).await {
+        match swap_anchor(anchors, &anchor, &next).await {
             Ok(_) => break,
             Err(Swap::Lost) => continue,
             Err(Swap::Failed(error)) => return Err(error),

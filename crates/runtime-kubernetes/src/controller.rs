@@ -15,16 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use session_runtime::{ReconcileReport, Result, SessionId};
 use tokio::sync::{mpsc, watch};
 
+use crate::anchor::OabSession;
 use crate::leader::{LeaderElection, Term};
 use crate::reconcile::{self, Policy};
-use crate::record::SessionRecord;
 use crate::{names, KubernetesRuntime};
 
 /// What a controller did, for whoever watches it (logs, tests).
@@ -210,7 +209,7 @@ impl Controller {
     async fn watch(
         &self,
     ) -> Result<(
-        (Store<Lease>, Store<Pod>),
+        (Store<OabSession>, Store<Pod>),
         mpsc::UnboundedReceiver<SessionId>,
         AbortOnDrop,
     )> {
@@ -218,13 +217,13 @@ impl Controller {
         let (anchor_store, anchor_writer) = reflector::store();
         let (pod_store, pod_writer) = reflector::store();
         let anchors = watcher(
-            self.runtime.leases().await?.clone(),
+            self.runtime.anchor_api().await?.clone(),
             watcher::Config::default().labels(&format!("{selector},{}=anchor", names::ROLE)),
         )
         .default_backoff()
         .reflect(anchor_writer)
         .applied_objects()
-        .map(|anchor| anchor.map(|lease| names::session_of(&lease.metadata)));
+        .map(|anchor| anchor.map(|anchor| names::session_of(&anchor.metadata)));
         let pods = watcher(
             self.runtime.pods().await?.clone(),
             watcher::Config::default().labels(&format!("{selector},{}=worker", names::ROLE)),
@@ -261,7 +260,7 @@ impl Controller {
     async fn session(
         &self,
         id: &SessionId,
-        anchors: &Store<Lease>,
+        anchors: &Store<OabSession>,
         pods: &Store<Pod>,
         namespace: &str,
         policy: &Policy,
@@ -274,8 +273,10 @@ impl Controller {
         if !names::belongs_to(&anchor.metadata, id) {
             return report;
         }
-        let record = match SessionRecord::from_anchor(id, anchor.metadata.annotations.as_ref()) {
-            Ok(record) => record,
+        let record = match anchor.record(id) {
+            Ok(Some(record)) => record,
+            // A create that recorded nothing yet: the full pass decides about it.
+            Ok(None) => return report,
             Err(error) => {
                 report.errors.push(error.to_string());
                 return report;

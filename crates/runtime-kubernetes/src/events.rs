@@ -1,4 +1,4 @@
-//! Kubernetes Events on a session's anchor at each transition, so `kubectl describe lease
+//! Kubernetes Events on a session's anchor at each transition, so `kubectl describe oabsession
 //! oab-s-<id>` (and `kubectl get events`) tells an operator what happened to a session in
 //! Kubernetes' own terms.
 //!
@@ -9,15 +9,17 @@
 //! object), and a token bucket of [`BURST`] events refilled at [`PER_SECOND`] drops what a crash
 //! loop or a mass close would publish beyond it (counted in [`DROPPED`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::Client;
+use kube::{Client, Resource};
 use parking_lot::Mutex;
 use session_runtime::{CloseReason, Error, Retention, SessionId, SuspendReason};
 
+use crate::anchor::OabSession;
 use crate::names;
 
 /// The reporting controller's name on every Event.
@@ -137,6 +139,8 @@ pub(crate) struct SessionEvents {
     recorder: Recorder,
     namespace: String,
     bucket: Arc<Mutex<Bucket>>,
+    /// The anchors' UIDs as last read: `kubectl describe` finds an object's Events by its UID.
+    anchor_uids: Arc<Mutex<HashMap<SessionId, String>>>,
 }
 
 impl std::fmt::Debug for SessionEvents {
@@ -162,6 +166,14 @@ impl SessionEvents {
                 tokens: BURST,
                 at: Instant::now(),
             })),
+            anchor_uids: Arc::default(),
+        }
+    }
+
+    /// Notes the UID of session `id`'s anchor, for the Events published on it from now on.
+    pub(crate) fn learn_anchor(&self, id: &SessionId, uid: Option<String>) {
+        if let Some(uid) = uid {
+            self.anchor_uids.lock().insert(*id, uid);
         }
     }
 
@@ -173,10 +185,11 @@ impl SessionEvents {
             return;
         }
         let reference = ObjectReference {
-            api_version: Some("coordination.k8s.io/v1".to_owned()),
-            kind: Some("Lease".to_owned()),
+            api_version: Some(OabSession::api_version(&()).into_owned()),
+            kind: Some(OabSession::kind(&()).into_owned()),
             name: Some(names::anchor(id)),
             namespace: Some(self.namespace.clone()),
+            uid: self.anchor_uids.lock().get(id).cloned(),
             ..ObjectReference::default()
         };
         let recorder = self.recorder.clone();

@@ -1,7 +1,8 @@
 //! The Kubernetes session runtime: one worker Pod and one volume per session.
 //!
-//! Each session has an anchor Lease `oab-s-<session id>` (its authoritative record: generation,
-//! state, close reason and retention intent, the UIDs of what it made), one worker Pod
+//! Each session has an anchor, the custom resource `OabSession` `oab-s-<session id>` (its
+//! authoritative record: generation, state, close reason and retention intent, the UIDs of what
+//! it made; see [`anchor`]), one worker Pod
 //! `oab-w-<session id>` owned by the anchor and running the worker relay as its entrypoint, and a
 //! PersistentVolumeClaim `oab-d-<session id>-<incarnation>` for its workspace and HOME that no
 //! cascade deletes. The broker reaches the relay over the Pod IP or through `pods/exec`;
@@ -22,6 +23,7 @@
 //! ```
 
 mod abandon;
+pub mod anchor;
 mod api;
 mod clone_source;
 pub mod controller;
@@ -44,6 +46,7 @@ mod storage_loss;
 mod testing;
 mod workload_identity;
 
+pub use anchor::{OabSession, OabSessionSpec, OabSessionStatus, SessionCondition, CLOSE_FINALIZER};
 pub use controller::{Controller, ControllerEvent};
 /// The kube-rs version this crate speaks, for building a [`kube::Client`] to hand it.
 pub use kube;

@@ -28,10 +28,8 @@ pub(crate) const PROFILE: &str = "openab.dev/profile";
 pub(crate) const PROFILE_VERSION: &str = "openab.dev/profile-version";
 /// Annotation: the full session id, checked before adopting an object.
 pub(crate) const SESSION_ID: &str = "openab.dev/session-id";
-/// Annotation on the anchor: the session record (JSON, see `record.rs`).
-pub(crate) const RECORD: &str = "openab.dev/record";
 
-/// The anchor Lease: the session's authoritative record.
+/// The anchor (an `OabSession`): the session's authoritative record.
 pub(crate) fn anchor(id: &SessionId) -> String {
     format!("oab-s-{id}")
 }

@@ -21,6 +21,7 @@ use session_runtime::config::EgressTarget;
 use session_runtime::{Generation, SessionId};
 use worker_relay::token::TokenHash;
 
+use crate::anchor::OabSession;
 use crate::names;
 use crate::profile::{InputSource, Storage, WorkerProfile};
 use crate::reach::RELAY_BINARY;
@@ -87,7 +88,7 @@ pub(crate) struct WorkerSpec<'a> {
     /// The session's incarnation, whose ServiceAccount the worker runs as.
     pub(crate) incarnation: u64,
     pub(crate) token_hash: &'a TokenHash,
-    /// The anchor Lease that owns the Pod (its UID: ownership is by UID, not by name).
+    /// The anchor that owns the Pod (its UID: ownership is by UID, not by name).
     pub(crate) anchor_uid: &'a str,
     /// The claim to mount, or `None` for a volume that lives with the Pod.
     pub(crate) claim: Option<&'a str>,
@@ -324,17 +325,9 @@ pub(crate) fn prepare_container(profile: &WorkerProfile, dirs: Vec<String>) -> C
     }
 }
 
-/// Owned by the anchor, so a deleted anchor takes it along. Not blockOwnerDeletion: that would
-/// need update on leases/finalizers, a right the broker does not need otherwise.
+/// Owned by the anchor, so a deleted anchor takes it along (see [`OabSession::owner_reference`]).
 pub(crate) fn owned_by_anchor(id: &SessionId, anchor_uid: &str) -> OwnerReference {
-    OwnerReference {
-        api_version: "coordination.k8s.io/v1".to_owned(),
-        kind: "Lease".to_owned(),
-        name: names::anchor(id),
-        uid: anchor_uid.to_owned(),
-        controller: Some(true),
-        block_owner_deletion: None,
-    }
+    OabSession::owner_reference(id, anchor_uid)
 }
 
 /// Pod Security "restricted" for a container: no privilege escalation, no capabilities, a

@@ -9,17 +9,17 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::ListParams;
+use kube::api::{ListParams, PostParams};
 use kube::ResourceExt;
 use session_runtime::{
-    telemetry, ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason,
+    telemetry, CloseReason, ReconcileReport, Result, Retention, SessionId, SessionState, SuspendReason,
 };
 
 use crate::abandon::abandoned_before;
-use crate::api::{api_error, delete_if_unchanged};
+use crate::anchor::{OabSession, CLOSE_FINALIZER};
+use crate::api::{api_error, delete_if_unchanged, is_status};
 use crate::record::{now, CloseRecord, Phase, ReconcileNote, SessionRecord, Volume};
 use crate::runtime::{KubernetesRuntime, Swap, KILL_GRACE};
 use crate::{names, storage_loss, RUNTIME};
@@ -113,11 +113,24 @@ async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
         claims.iter().map(|claim| (claim.name_any(), claim)).collect();
     let mut named_claims = BTreeSet::new();
     let mut unreadable = BTreeSet::new();
-    for (id, lease) in &anchors {
-        let record = match SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref()) {
-            Ok(record) => {
+    for (id, anchor) in &anchors {
+        let record = match anchor.record(id) {
+            Ok(Some(record)) => {
                 phases.count(&record);
                 record
+            }
+            Ok(None) => {
+                // A create that recorded nothing: it owns nothing a cascade does not take, so an
+                // interrupted one (or one an operator deleted) is removed; a create in flight is
+                // left to finish.
+                if anchor.is_deleted() || is_old(&anchor.metadata, runtime) {
+                    match remove_anchor(runtime, anchor).await {
+                        Ok(true) => report.expired_records.push(*id),
+                        Ok(false) => {}
+                        Err(error) => report.errors.push(format!("session {id}: {error}")),
+                    }
+                }
+                continue;
             }
             Err(error) => {
                 // A newer broker's record, say: its claims are not orphans, and it is not ours to fix.
@@ -127,13 +140,8 @@ async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
             }
         };
         named_claims.extend(record.claims().map(str::to_owned));
-        if lease.metadata.deletion_timestamp.is_some() {
-            // A record being deleted is a session in transition: what it owns goes with it, and
-            // nothing is decided from it.
-            continue;
-        }
         let worker = by_session.get(id).copied();
-        let record = match storage(runtime, id, lease, record, &claims_by_name, &mut report).await {
+        let record = match storage(runtime, id, anchor, record, &claims_by_name, &mut report).await {
             Ok(Some(record)) => record,
             // The record changed since the pass read it: the next pass decides.
             Ok(None) => continue,
@@ -142,7 +150,7 @@ async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
                 continue;
             }
         };
-        if let Err(error) = session(runtime, id, lease, record, worker, &policy, &mut report).await {
+        if let Err(error) = session(runtime, id, anchor, record, worker, &policy, &mut report).await {
             report.errors.push(format!("session {id}: {error}"));
         }
     }
@@ -192,7 +200,7 @@ async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
 pub(crate) async fn session(
     runtime: &KubernetesRuntime,
     id: &SessionId,
-    anchor: &Lease,
+    anchor: &OabSession,
     record: SessionRecord,
     worker: Option<&Pod>,
     policy: &Policy,
@@ -201,6 +209,9 @@ pub(crate) async fn session(
     let lock = runtime.lock(id);
     let _held = lock.lock().await;
     let worker = worker.filter(|pod| pod.metadata.deletion_timestamp.is_none());
+    if anchor.is_deleted() {
+        return finish_deletion(runtime, id, record, report).await;
+    }
     if record.phase == Phase::Provisioning && is_old(&anchor.metadata, runtime) {
         // A create whose broker went away before the storage was made (or recorded): finished
         // here, so the claim it may have named is made and recorded, never left half-known.
@@ -229,7 +240,7 @@ pub(crate) async fn session(
                 "the attach of generation {generation} did not finish (its broker failed or went away before its worker served)"
             );
             crate::abandon::undo(
-                runtime.leases().await?,
+                runtime.anchor_api().await?,
                 runtime.pods().await?,
                 id,
                 generation,
@@ -305,7 +316,7 @@ pub(crate) async fn session(
 async fn storage(
     runtime: &KubernetesRuntime,
     id: &SessionId,
-    anchor: &Lease,
+    anchor: &OabSession,
     record: SessionRecord,
     claims: &HashMap<String, &PersistentVolumeClaim>,
     report: &mut ReconcileReport,
@@ -331,14 +342,14 @@ async fn storage(
     Ok(None)
 }
 
-/// The last sign of life: the anchor's `renewTime` (renewed by whichever broker holds a live
+/// The last sign of life: the anchor's `status.renewTime` (renewed by whichever broker holds a live
 /// attachment, and by every record update) or the record's last activity.
-fn last_active(anchor: &Lease, record: &SessionRecord) -> u64 {
+fn last_active(anchor: &OabSession, record: &SessionRecord) -> u64 {
     let renewed = anchor
-        .spec
+        .status
         .as_ref()
-        .and_then(|spec| spec.renew_time.as_ref())
-        .and_then(|time| u64::try_from(time.0.as_second()).ok())
+        .and_then(|status| status.renew_time.as_deref())
+        .and_then(crate::anchor::seconds_of)
         .unwrap_or(0);
     renewed.max(record.last_activity)
 }
@@ -348,7 +359,7 @@ fn last_active(anchor: &Lease, record: &SessionRecord) -> u64 {
 async fn suspend_idle(
     runtime: &KubernetesRuntime,
     id: &SessionId,
-    anchor: &Lease,
+    anchor: &OabSession,
     record: &SessionRecord,
     idle_for: Duration,
 ) -> Result<bool> {
@@ -442,7 +453,7 @@ async fn expire_storage(
 async fn expire_record(
     runtime: &KubernetesRuntime,
     id: &SessionId,
-    anchor: &Lease,
+    anchor: &OabSession,
     record: &SessionRecord,
     report: &mut ReconcileReport,
 ) -> Result<()> {
@@ -451,11 +462,68 @@ async fn expire_record(
     if !due || record.holds_storage() {
         return Ok(());
     }
-    let what = format!("removing the closed record of {id}");
-    if delete_if_unchanged(runtime.leases().await?, anchor, &what).await? {
+    if remove_anchor(runtime, anchor).await? {
         report.expired_records.push(*id);
     }
     Ok(())
+}
+
+/// An anchor someone deleted (`kubectl delete oabsession`): its session closes with reason
+/// `ended` and the profile's retention, and the close finalizer goes once the record holds
+/// nothing. A volume that retention keeps holds it until the retention ends, so the record that
+/// will delete the volume then is never lost first.
+async fn finish_deletion(
+    runtime: &KubernetesRuntime,
+    id: &SessionId,
+    record: SessionRecord,
+    report: &mut ReconcileReport,
+) -> Result<()> {
+    match record.state() {
+        SessionState::Closed => {}
+        SessionState::Closing => {
+            runtime.finish_close(id, record).await?;
+            report.finished_closes.push(*id);
+        }
+        _ => {
+            runtime.close_locked(id, CloseReason::Ended).await?;
+            report.finished_closes.push(*id);
+            note(runtime, id, "closed: its anchor was deleted".to_owned()).await;
+        }
+    }
+    let Some((_, record)) = runtime.load(id).await? else {
+        return Ok(());
+    };
+    expire_storage(runtime, id, &record, report).await?;
+    let Some((anchor, record)) = runtime.load(id).await? else {
+        return Ok(());
+    };
+    if record.state() == SessionState::Closed
+        && !record.holds_storage()
+        && remove_anchor(runtime, &anchor).await?
+    {
+        report.expired_records.push(*id);
+    }
+    Ok(())
+}
+
+/// Removes an anchor if it is still the one read: drops the close finalizer, then deletes it
+/// (a deleted anchor goes with its finalizer). `false` when it changed or went meanwhile.
+async fn remove_anchor(runtime: &KubernetesRuntime, anchor: &OabSession) -> Result<bool> {
+    let api = runtime.anchor_api().await?;
+    let name = anchor.name_any();
+    let mut current = anchor.clone();
+    if current.has_close_finalizer() {
+        current.finalizers_mut().retain(|f| f != CLOSE_FINALIZER);
+        current = match api.replace(&name, &PostParams::default(), &current).await {
+            Ok(written) => written,
+            Err(error) if is_status(&error, 404) || is_status(&error, 409) => return Ok(false),
+            Err(error) => return Err(api_error(&format!("releasing the anchor {name}"), error)),
+        };
+        if anchor.is_deleted() {
+            return Ok(true);
+        }
+    }
+    delete_if_unchanged(api, &current, &format!("removing the anchor {name}")).await
 }
 
 async fn delete_orphaned_claim(runtime: &KubernetesRuntime, claim: &PersistentVolumeClaim) -> Result<()> {

@@ -1,9 +1,9 @@
-//! The session record, kept on the session's anchor Lease (annotation [`names::RECORD`]).
+//! The session record, kept in the status of the session's anchor (`anchor.rs`).
 //!
 //! The anchor is the authority on a session: its state, generation and incarnation, why it was
 //! suspended or closed, what happens to its storage, and the UIDs of the objects it made (the
 //! evidence that lets a delete carry a UID precondition). Every change is a compare-and-swap on
-//! the Lease's `resourceVersion`, so two brokers never both win a generation.
+//! the anchor's `resourceVersion`, so two brokers never both win a generation.
 //!
 //! A record read from the API server is untrusted: it must parse, have a known version and name
 //! the session whose anchor holds it.
@@ -251,22 +251,16 @@ impl SessionRecord {
         }
     }
 
-    /// Reads the record from an anchor's annotations, checking that it is the session's.
-    pub(crate) fn from_anchor(
-        id: &SessionId,
-        annotations: Option<&std::collections::BTreeMap<String, String>>,
-    ) -> Result<Self, Error> {
+    /// Reads the record from an anchor's status, checking that it is the session's.
+    pub(crate) fn from_value(id: &SessionId, value: serde_json::Value) -> Result<Self, Error> {
         let unreadable = |why: String| Error::Backend {
             runtime: RUNTIME,
             retryable: false,
             message: format!("session {id}: the anchor's record is unreadable: {why}"),
             source: None,
         };
-        let text = annotations
-            .and_then(|a| a.get(names::RECORD))
-            .ok_or_else(|| unreadable("no record annotation".to_owned()))?;
         let record: SessionRecord =
-            serde_json::from_str(text).map_err(|error| unreadable(error.to_string()))?;
+            serde_json::from_value(value).map_err(|error| unreadable(error.to_string()))?;
         if record.version != VERSION {
             return Err(unreadable(format!("unknown version {}", record.version)));
         }
@@ -312,9 +306,9 @@ impl SessionRecord {
         kept || !self.retained.is_empty()
     }
 
-    pub(crate) fn to_annotation(&self) -> String {
+    pub(crate) fn to_value(&self) -> serde_json::Value {
         // Serializing plain data with string keys cannot fail.
-        serde_json::to_string(self).unwrap_or_default()
+        serde_json::to_value(self).unwrap_or_default()
     }
 
     pub(crate) fn state(&self) -> SessionState {
@@ -392,15 +386,15 @@ impl SessionRecord {
 mod tests {
     use super::*;
     use session_runtime::SessionIdentity;
-    use std::collections::BTreeMap;
 
     fn record() -> SessionRecord {
         let identity = SessionIdentity::new("prod", "claude", "discord", "t").expect("identity");
         SessionRecord::new(identity.id(), "digest".to_owned(), 3, 1)
     }
 
-    fn annotated(text: &str) -> BTreeMap<String, String> {
-        BTreeMap::from([(names::RECORD.to_owned(), text.to_owned())])
+    /// The record text as the status holds it; text that is not JSON stays a string.
+    fn status_value(text: &str) -> serde_json::Value {
+        serde_json::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_owned()))
     }
 
     #[test]
@@ -410,7 +404,7 @@ mod tests {
             git_url: "https://example.invalid/repo".to_owned(),
             git_reference: None,
         });
-        let mut json: serde_json::Value = serde_json::from_str(&record.to_annotation()).expect("json");
+        let mut json: serde_json::Value = serde_json::from_str(&record.to_value().to_string()).expect("json");
         assert_eq!(
             json["seed"],
             serde_json::json!({ "git_url": "https://example.invalid/repo", "git_reference": null }),
@@ -418,7 +412,7 @@ mod tests {
         );
         json["seed"] =
             serde_json::json!({ "git_url": "https://example.invalid/old", "git_reference": "main" });
-        let old = SessionRecord::from_anchor(&record.id, Some(&annotated(&json.to_string()))).expect("old");
+        let old = SessionRecord::from_value(&record.id, status_value(&json.to_string())).expect("old");
         assert_eq!(
             old.seed,
             Some(SeedRecord::GitClone {
@@ -432,8 +426,8 @@ mod tests {
             .id();
         record.seed = Some(SeedRecord::CopyOf { copy_of: source });
         record.lent_to = Some(Loan { to: source, until: 7 });
-        let read =
-            SessionRecord::from_anchor(&record.id, Some(&annotated(&record.to_annotation()))).expect("read");
+        let read = SessionRecord::from_value(&record.id, status_value(&record.to_value().to_string()))
+            .expect("read");
         assert_eq!(read, record);
         assert!(
             !read.lent_to.expect("loan").active(),
@@ -442,14 +436,14 @@ mod tests {
     }
 
     #[test]
-    fn a_record_round_trips_through_its_annotation() {
+    fn a_record_round_trips_through_the_status() {
         let mut record = record();
         record.phase = Phase::Session(SessionState::Suspended);
         record.volume = Volume::Owned {
             claim: "oab-d-x-1".to_owned(),
             uid: Some("uid".to_owned()),
         };
-        let read = SessionRecord::from_anchor(&record.id, Some(&annotated(&record.to_annotation())));
+        let read = SessionRecord::from_value(&record.id, status_value(&record.to_value().to_string()));
         assert_eq!(read.expect("readable"), record);
     }
 
@@ -459,12 +453,12 @@ mod tests {
         let other = SessionIdentity::new("prod", "claude", "discord", "u")
             .expect("identity")
             .id();
-        let text = record.to_annotation();
-        assert!(SessionRecord::from_anchor(&other, Some(&annotated(&text))).is_err());
-        assert!(SessionRecord::from_anchor(&record.id, Some(&annotated("{"))).is_err());
-        assert!(SessionRecord::from_anchor(&record.id, None).is_err());
+        let text = record.to_value().to_string();
+        assert!(SessionRecord::from_value(&other, status_value(&text)).is_err());
+        assert!(SessionRecord::from_value(&record.id, status_value("{")).is_err());
+        assert!(SessionRecord::from_value(&record.id, serde_json::Value::Null).is_err());
         let future = text.replace("\"version\":1", "\"version\":99");
-        assert!(SessionRecord::from_anchor(&record.id, Some(&annotated(&future))).is_err());
+        assert!(SessionRecord::from_value(&record.id, status_value(&future)).is_err());
     }
 
     #[test]
@@ -530,7 +524,7 @@ mod tests {
         assert!(closed.next_incarnation("digest".to_owned()).retained.is_empty());
         assert!(!closed.holds_storage());
         // A record written before these fields existed still reads.
-        let old = closed.to_annotation().replace(",\"closed_at\":null", "");
-        assert!(SessionRecord::from_anchor(&closed.id, Some(&annotated(&old))).is_ok());
+        let old = closed.to_value().to_string().replace(",\"closed_at\":null", "");
+        assert!(SessionRecord::from_value(&closed.id, status_value(&old)).is_ok());
     }
 }

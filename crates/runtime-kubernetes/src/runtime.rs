@@ -1,6 +1,6 @@
 //! [`KubernetesRuntime`]: the contract on a Kubernetes namespace.
 //!
-//! The anchor Lease is the session record; every state change is a compare-and-swap on it, and
+//! The anchor (an `OabSession`, see `anchor.rs`) holds the session record; every state change is a compare-and-swap on it, and
 //! every side effect (a Pod, a claim, a delete) follows a record that says it should happen, so a
 //! broker killed between the two leaves a record that the next call or `reconcile` finishes.
 
@@ -10,12 +10,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use egress_proxy::gateway::GatewayKey;
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
     PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{DeleteParams, DynamicObject, ListParams, PostParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use parking_lot::Mutex;
@@ -31,6 +29,7 @@ use worker_relay::transport::{Connector, TcpConnector};
 use worker_relay::{BrokerKey, ClientConfig, RelayClient};
 
 use crate::abandon::{AttachInFlight, Before, CONNECT_TIMEOUT};
+use crate::anchor::OabSession;
 use crate::api::{api_error, is_status};
 use crate::events::{SessionEvent, SessionEvents};
 use crate::pod::{worker_pod, WorkerEgress, WorkerSpec};
@@ -105,7 +104,7 @@ fn events_instance(installation: &str, epoch: u64) -> String {
 /// The namespace's API handles this runtime uses.
 struct Apis {
     jobs: Api<k8s_openapi::api::batch::v1::Job>,
-    leases: Api<Lease>,
+    anchors: Api<OabSession>,
     policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy>,
     pods: Api<Pod>,
     claims: Api<PersistentVolumeClaim>,
@@ -120,7 +119,7 @@ impl Apis {
         Apis {
             events: SessionEvents::new(client.clone(), namespace, instance),
             jobs: Api::namespaced(client.clone(), namespace),
-            leases: Api::namespaced(client.clone(), namespace),
+            anchors: Api::namespaced(client.clone(), namespace),
             policies: Api::namespaced(client.clone(), namespace),
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
@@ -366,21 +365,15 @@ pub(crate) enum Swap {
     Failed(Error),
 }
 
-/// Writes `record` over the anchor `lease`, only if the anchor is still the one read.
+/// Writes `record` as the anchor's status, only if the anchor is still the one read.
 pub(crate) async fn swap_anchor(
-    leases: &Api<Lease>,
-    lease: &Lease,
+    anchors: &Api<OabSession>,
+    anchor: &OabSession,
     record: &SessionRecord,
-) -> std::result::Result<Lease, Swap> {
-    let mut next = lease.clone();
-    next.metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(names::RECORD.to_owned(), record.to_annotation());
-    let spec = next.spec.get_or_insert_with(LeaseSpec::default);
-    spec.renew_time = Some(MicroTime(jiff_now()));
-    match leases
-        .replace(&lease.name_any(), &PostParams::default(), &next)
+) -> std::result::Result<OabSession, Swap> {
+    let next = anchor.with_record(record, &jiff_now().to_string());
+    match anchors
+        .replace_status(&anchor.name_any(), &PostParams::default(), &next)
         .await
     {
         Ok(written) => Ok(written),
@@ -515,12 +508,15 @@ impl KubernetesRuntime {
         }
     }
 
-    /// The session's anchor and record, if it has one. An object under the anchor's name that is
-    /// not the session's own is refused, never adopted.
-    pub(crate) async fn load(&self, id: &SessionId) -> Result<Option<(Lease, SessionRecord)>> {
+    /// The session's anchor, if it has one, and its record once the create wrote one. An object
+    /// under the anchor's name that is not the session's own is refused, never adopted.
+    pub(crate) async fn load_anchor(
+        &self,
+        id: &SessionId,
+    ) -> Result<Option<(OabSession, Option<SessionRecord>)>> {
         let name = names::anchor(id);
-        let Some(lease) = self
-            .leases()
+        let Some(anchor) = self
+            .anchor_api()
             .await?
             .get_opt(&name)
             .await
@@ -528,45 +524,52 @@ impl KubernetesRuntime {
         else {
             return Ok(None);
         };
-        if !names::belongs_to(&lease.metadata, id) {
+        if !names::belongs_to(&anchor.metadata, id) {
             return Err(foreign(id, "anchor", &name));
         }
-        if lease.metadata.deletion_timestamp.is_some() {
-            // Being deleted (its objects go with it): neither the live session nor absent yet.
-            return Err(retry_later(
-                id,
-                "the session's record is being deleted; try again once it is gone",
-            ));
-        }
-        let record = SessionRecord::from_anchor(id, lease.metadata.annotations.as_ref())?;
-        Ok(Some((lease, record)))
+        self.apis().await?.events.learn_anchor(id, anchor.uid());
+        let record = anchor.record(id)?;
+        Ok(Some((anchor, record)))
     }
 
-    async fn load_existing(&self, id: &SessionId) -> Result<(Lease, SessionRecord)> {
+    /// The session's anchor and record, if it has one. An anchor an operator deleted is
+    /// returned too: its session is being closed, and only a close may still change it.
+    pub(crate) async fn load(&self, id: &SessionId) -> Result<Option<(OabSession, SessionRecord)>> {
+        match self.load_anchor(id).await? {
+            None => Ok(None),
+            Some((anchor, Some(record))) => Ok(Some((anchor, record))),
+            Some((_, None)) => Err(retry_later(
+                id,
+                "the session's create has recorded nothing yet; create it again",
+            )),
+        }
+    }
+
+    async fn load_existing(&self, id: &SessionId) -> Result<(OabSession, SessionRecord)> {
         self.load(id).await?.ok_or(Error::NotFound { id: *id })
     }
 
     /// Writes `record` over the anchor, only if the anchor is still the one read.
     pub(crate) async fn swap(
         &self,
-        lease: &Lease,
+        anchor: &OabSession,
         record: &SessionRecord,
-    ) -> std::result::Result<Lease, Swap> {
-        swap_anchor(self.leases().await.map_err(Swap::Failed)?, lease, record).await
+    ) -> std::result::Result<OabSession, Swap> {
+        swap_anchor(self.anchor_api().await.map_err(Swap::Failed)?, anchor, record).await
     }
 
     /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
     /// with a fresh read. `change` returns `Ok(None)` when there is nothing to write.
-    pub(crate) async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(Lease, SessionRecord)>
+    pub(crate) async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(OabSession, SessionRecord)>
     where
         F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
     {
         for _ in 0..CAS_ATTEMPTS {
-            let (lease, record) = self.load_existing(id).await?;
+            let (anchor, record) = self.load_existing(id).await?;
             let Some(next) = change(&record)? else {
-                return Ok((lease, record));
+                return Ok((anchor, record));
             };
-            match self.swap(&lease, &next).await {
+            match self.swap(&anchor, &next).await {
                 Ok(written) => return Ok((written, next)),
                 Err(Swap::Lost) => continue,
                 Err(Swap::Failed(error)) => return Err(error),
@@ -601,7 +604,7 @@ impl KubernetesRuntime {
     pub(crate) async fn provision(
         &self,
         id: &SessionId,
-        mut lease: Lease,
+        mut anchor: OabSession,
         mut record: SessionRecord,
     ) -> Result<SessionRecord> {
         let profile = self.profile().await?;
@@ -611,7 +614,7 @@ impl KubernetesRuntime {
             let claim = names::storage(id, record.incarnation);
             if record.volume.claim() != Some(claim.as_str()) {
                 record.volume = Volume::Owned { claim, uid: None };
-                lease = match self.swap(&lease, &record).await {
+                anchor = match self.swap(&anchor, &record).await {
                     Ok(written) => written,
                     Err(Swap::Lost) => {
                         return Err(retry_later(
@@ -676,17 +679,17 @@ impl KubernetesRuntime {
             }
         };
         // The session's own identity, before anything runs as it.
-        self.ensure_service_account(id, record.incarnation, &lease.uid().unwrap_or_default())
+        self.ensure_service_account(id, record.incarnation, &anchor.uid().unwrap_or_default())
             .await?;
         record.service_account = true;
         if record.seed.is_some() || profile.home_template.is_some() {
-            self.seed(id, &lease, &record, &profile).await?;
+            self.seed(id, &anchor, &record, &profile).await?;
             record.seed = None;
             // The Job made both directories, as the worker's user.
             record.prepared = record.volume.claim().is_some();
         }
         record.phase = Phase::Session(SessionState::Created);
-        match self.swap(&lease, &record).await {
+        match self.swap(&anchor, &record).await {
             Ok(_) => Ok(record),
             Err(Swap::Lost) => Err(Error::Backend {
                 runtime: RUNTIME,
@@ -815,7 +818,7 @@ impl KubernetesRuntime {
     async fn start_worker(
         &self,
         id: &SessionId,
-        anchor: &Lease,
+        anchor: &OabSession,
         record: &SessionRecord,
         profile: &WorkerProfile,
     ) -> Result<Pod> {
@@ -1054,7 +1057,7 @@ impl KubernetesRuntime {
         );
         // From here until a worker serves, a failure or a dropped call undoes the attach.
         let in_flight = AttachInFlight::new(
-            self.leases().await?.clone(),
+            self.anchor_api().await?.clone(),
             self.pods().await?.clone(),
             *id,
             generation,
@@ -1104,7 +1107,7 @@ impl KubernetesRuntime {
     async fn start_and_open(
         &self,
         id: &SessionId,
-        anchor: &Lease,
+        anchor: &OabSession,
         record: &SessionRecord,
         profile: &WorkerProfile,
         start: StartKind,
@@ -1176,7 +1179,7 @@ impl KubernetesRuntime {
         id: &SessionId,
         profile: &WorkerProfile,
     ) -> Result<Option<(Attachment, Generation)>> {
-        let (lease, record) = self.load_existing(id).await?;
+        let (anchor, record) = self.load_existing(id).await?;
         let Some(held) = record
             .worker
             .as_ref()
@@ -1199,7 +1202,7 @@ impl KubernetesRuntime {
             worker.holder_epoch = Some(self.epoch);
         }
         next.last_activity = now();
-        match self.swap(&lease, &next).await {
+        match self.swap(&anchor, &next).await {
             Ok(_) => {}
             // Another broker changed the session first: a new generation settles it.
             Err(Swap::Lost) => return Ok(None),
@@ -1230,7 +1233,7 @@ impl KubernetesRuntime {
         let lost = self.worker_watch().await?.lost(pod);
         let attachment = self.connect(id, pod, client.attach_until(fence, lost)).await?;
         let renewal = tokio::spawn(renew_while_live(
-            self.leases().await?.clone(),
+            self.anchor_api().await?.clone(),
             *id,
             attachment.control(),
             trigger.clone(),
@@ -1346,7 +1349,7 @@ impl KubernetesRuntime {
         Ok(())
     }
 
-    async fn close_locked(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
+    pub(crate) async fn close_locked(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
         if self.load(id).await?.is_none() {
             return Ok(());
         }
@@ -1481,22 +1484,17 @@ impl KubernetesRuntime {
         let id = identity.id();
         let digest = data_encoding::HEXLOWER.encode(&identity.digest());
         for _ in 0..CAS_ATTEMPTS {
-            let Some((lease, record)) = self.load(&id).await? else {
-                let (generation, incarnation) = self.surviving_numbers(&id).await?;
-                let mut record = SessionRecord::new(id, digest.clone(), generation, incarnation);
-                record.seed = seed.clone();
-                let mut anchor = Lease {
-                    metadata: names::meta(names::anchor(&id), &self.installation, &id, "anchor"),
-                    spec: Some(LeaseSpec {
-                        renew_time: Some(MicroTime(jiff_now())),
-                        ..LeaseSpec::default()
-                    }),
-                };
-                if let Some(annotations) = anchor.metadata.annotations.as_mut() {
-                    annotations.insert(names::RECORD.to_owned(), record.to_annotation());
-                }
-                match self.leases().await?.create(&PostParams::default(), &anchor).await {
+            let Some((anchor, record)) = self.load_anchor(&id).await? else {
+                let anchor = OabSession::for_session(&self.installation, &id, &digest);
+                match self
+                    .anchor_api()
+                    .await?
+                    .create(&PostParams::default(), &anchor)
+                    .await
+                {
                     Ok(created) => {
+                        self.apis().await?.events.learn_anchor(&id, created.uid());
+                        let record = self.first_record(&id, &digest, seed.clone()).await?;
                         let record = self.provision(&id, created, record).await?;
                         return Ok(SessionHandle::new(id, record.state(), record.generation, true));
                     }
@@ -1504,7 +1502,7 @@ impl KubernetesRuntime {
                     Err(error) => return Err(api_error(&format!("creating session {id}"), error)),
                 }
             };
-            if record.identity_digest != digest {
+            if anchor.spec.identity_digest != digest {
                 return Err(Error::Backend {
                     runtime: RUNTIME,
                     retryable: false,
@@ -1512,9 +1510,23 @@ impl KubernetesRuntime {
                     source: None,
                 });
             }
+            if anchor.is_deleted() {
+                // Deleted by an operator: its session is being closed, and its name is not free
+                // until the controller has finished.
+                return Err(retry_later(
+                    &id,
+                    "the session's anchor is being deleted (its session closed); try again once it is gone",
+                ));
+            }
+            let Some(record) = record else {
+                // A create that recorded nothing yet (its broker may have gone): finished here.
+                let record = self.first_record(&id, &digest, seed.clone()).await?;
+                let record = self.provision(&id, anchor, record).await?;
+                return Ok(SessionHandle::new(id, record.state(), record.generation, true));
+            };
             match record.phase {
                 Phase::Provisioning => {
-                    let record = self.provision(&id, lease, record).await?;
+                    let record = self.provision(&id, anchor, record).await?;
                     return Ok(SessionHandle::new(id, record.state(), record.generation, true));
                 }
                 Phase::Session(SessionState::Closing) => self.finish_close(&id, record).await?,
@@ -1523,7 +1535,7 @@ impl KubernetesRuntime {
                     // incarnation gets a volume of its own.
                     let mut next = record.next_incarnation(digest.clone());
                     next.seed = seed.clone();
-                    match self.swap(&lease, &next).await {
+                    match self.swap(&anchor, &next).await {
                         Ok(written) => {
                             let record = self.provision(&id, written, next).await?;
                             return Ok(SessionHandle::new(id, record.state(), record.generation, true));
@@ -1536,6 +1548,19 @@ impl KubernetesRuntime {
             }
         }
         Err(retry_later(&id, "the session kept changing while it was created"))
+    }
+
+    /// The record a new anchor of `id` starts with, before provisioning writes it.
+    async fn first_record(
+        &self,
+        id: &SessionId,
+        digest: &str,
+        seed: Option<SeedRecord>,
+    ) -> Result<SessionRecord> {
+        let (generation, incarnation) = self.surviving_numbers(id).await?;
+        let mut record = SessionRecord::new(*id, digest.to_owned(), generation, incarnation);
+        record.seed = seed;
+        Ok(record)
     }
 
     /// The generation and incarnation a new record of `id` starts from: past every number that
@@ -1596,11 +1621,11 @@ impl KubernetesRuntime {
     }
 }
 
-/// Renews the anchor's `renewTime` every `every` until the attachment is fenced or its worker
+/// Renews the anchor's `status.renewTime` every `every` until the attachment is fenced or its worker
 /// ended. A merge patch of that one field: it never conflicts with a record update, and a record
 /// update never loses it (each one renews too).
 async fn renew_while_live(
-    leases: Api<Lease>,
+    anchors: Api<OabSession>,
     id: SessionId,
     control: Arc<dyn WorkerControl>,
     fence: FenceTrigger,
@@ -1612,9 +1637,9 @@ async fn renew_while_live(
         if fence.is_fenced() || !control.is_alive() {
             return;
         }
-        let patch = serde_json::json!({ "spec": { "renewTime": MicroTime(jiff_now()) } });
-        if let Err(error) = leases
-            .patch(
+        let patch = serde_json::json!({ "status": { "renewTime": jiff_now().to_string() } });
+        if let Err(error) = anchors
+            .patch_status(
                 &name,
                 &kube::api::PatchParams::default(),
                 &kube::api::Patch::Merge(&patch),
@@ -1776,9 +1801,11 @@ impl SessionRuntime for KubernetesRuntime {
 
     async fn list(&self) -> Result<Vec<SessionStatus>> {
         let mut sessions = Vec::new();
-        for (id, lease) in self.anchors().await? {
-            match SessionRecord::from_anchor(&id, lease.metadata.annotations.as_ref()) {
-                Ok(record) => sessions.push(record.status()),
+        for (id, anchor) in self.anchors().await? {
+            match anchor.record(&id) {
+                Ok(Some(record)) => sessions.push(record.status()),
+                // A create that recorded nothing yet: not a session so far.
+                Ok(None) => {}
                 Err(error) => tracing::warn!(session = %id, "skipping an unreadable session: {error}"),
             }
         }
@@ -1833,8 +1860,8 @@ impl KubernetesRuntime {
         Ok(&self.apis().await?.pods)
     }
 
-    pub(crate) async fn leases(&self) -> Result<&Api<Lease>> {
-        Ok(&self.apis().await?.leases)
+    pub(crate) async fn anchor_api(&self) -> Result<&Api<OabSession>> {
+        Ok(&self.apis().await?.anchors)
     }
 
     pub(crate) async fn claims(&self) -> Result<&Api<PersistentVolumeClaim>> {
@@ -1867,19 +1894,19 @@ impl KubernetesRuntime {
 
     /// Every anchor of the installation that is its session's own, with its session id; its
     /// record may still be unreadable (a newer format, say).
-    pub(crate) async fn anchors(&self) -> Result<Vec<(SessionId, Lease)>> {
+    pub(crate) async fn anchors(&self) -> Result<Vec<(SessionId, OabSession)>> {
         let params = ListParams::default().labels(&names::installation_selector(&self.installation));
         let anchors = self
-            .leases()
+            .anchor_api()
             .await?
             .list(&params)
             .await
             .map_err(|e| api_error("listing sessions", e))?;
         Ok(anchors
             .into_iter()
-            .filter_map(|lease| {
-                let id = SessionId::parse(lease.labels().get(names::SESSION)?).ok()?;
-                names::belongs_to(&lease.metadata, &id).then_some((id, lease))
+            .filter_map(|anchor| {
+                let id = SessionId::parse(anchor.labels().get(names::SESSION)?).ok()?;
+                names::belongs_to(&anchor.metadata, &id).then_some((id, anchor))
             })
             .collect())
     }

@@ -20,11 +20,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use session_runtime::SessionId;
 
-use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::ResourceExt;
 use session_runtime::{Error, Result, SessionState};
 
+use crate::anchor::OabSession;
 use crate::api::{api_error, is_status};
 use crate::clone_source::{check_clone_url, CloneUrl};
 use crate::names;
@@ -379,7 +379,7 @@ impl KubernetesRuntime {
     pub(crate) async fn seed(
         &self,
         id: &SessionId,
-        anchor: &Lease,
+        anchor: &OabSession,
         record: &SessionRecord,
         profile: &WorkerProfile,
     ) -> Result<()> {
@@ -467,7 +467,7 @@ impl KubernetesRuntime {
     async fn run_seed_job(
         &self,
         id: &SessionId,
-        anchor: &Lease,
+        anchor: &OabSession,
         record: &SessionRecord,
         profile: &WorkerProfile,
         claim: &str,

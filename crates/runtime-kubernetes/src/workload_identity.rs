@@ -125,6 +125,9 @@ mod tests {
         assert!(first.secrets.is_none() && first.image_pull_secrets.is_none());
         assert!(names::belongs_to(&first.metadata, &id));
         let owner = first.owner_references().first().cloned().expect("owned");
-        assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Lease", "anchor-uid"));
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("OabSession", "anchor-uid")
+        );
     }
 }

@@ -13,9 +13,9 @@ mod common;
 
 use std::collections::BTreeMap;
 
+use runtime_kubernetes::{OabSession, OabSessionSpec};
 use serde_json::json;
 use test_cluster::k8s_openapi::api::batch::v1::Job;
-use test_cluster::k8s_openapi::api::coordination::v1::Lease;
 use test_cluster::k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
 use test_cluster::k8s_openapi::api::networking::v1::NetworkPolicy;
 use test_cluster::kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -372,26 +372,20 @@ async fn broker_writes(cluster: TestCluster, session: String) {
     );
 }
 
-/// Objects an administrator made (a borrowed claim, a Lease of something else) are neither
-/// deleted nor adopted by the broker.
+/// Objects an administrator made (a borrowed claim, an OabSession outside any installation) are
+/// neither deleted nor adopted by the broker.
 #[tokio::test]
 #[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
 async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
     let (admin_claims, name) = administrators_claim(&cluster).await;
-    let lease_name = unique_name("oab-s-admin");
-    let admin_leases: Api<Lease> = Api::namespaced(cluster.admin(), namespace);
-    let lease: Lease = serde_json::from_value(json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": {"name": lease_name}
-    }))
-    .expect("a Lease");
-    admin_leases
-        .create(&PostParams::default(), &lease)
+    let session_name = unique_name("oab-s-admin");
+    let admin_sessions: Api<OabSession> = Api::namespaced(cluster.admin(), namespace);
+    admin_sessions
+        .create(&PostParams::default(), &session(&session_name))
         .await
-        .expect("the administrator's Lease");
+        .expect("the administrator's OabSession");
 
     let dry_delete = DeleteParams {
         dry_run: true,
@@ -399,21 +393,22 @@ async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
     };
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.broker(), namespace);
     let deleted = claims.delete(&name, &dry_delete).await;
-    let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
-    let deleted_lease = leases.delete(&lease_name, &dry_delete).await;
-    let mut adopted = leases.get(&lease_name).await.expect("the broker reads Leases");
+    let sessions: Api<OabSession> = Api::namespaced(cluster.broker(), namespace);
+    let deleted_session = sessions.delete(&session_name, &dry_delete).await;
+    let mut adopted = sessions
+        .get(&session_name)
+        .await
+        .expect("the broker reads OabSessions");
     adopted.metadata.labels = Some(labels("admission", "aaaaaaaaaaaaaaaaaaaa", "anchor"));
-    let adoption = leases.replace(&lease_name, &dry_run(), &adopted).await;
-    let unlabelled: Lease = serde_json::from_value(json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": {"name": unique_name("oab-s-unlabelled")}
-    }))
-    .expect("a Lease");
-    let created = leases.create(&dry_run(), &unlabelled).await;
+    let adoption = sessions.replace(&session_name, &dry_run(), &adopted).await;
+    let created = sessions
+        .create(&dry_run(), &session(&unique_name("oab-s-unlabelled")))
+        .await;
 
     let _ = admin_claims.delete(&name, &DeleteParams::default()).await;
-    let _ = admin_leases.delete(&lease_name, &DeleteParams::default()).await;
+    let _ = admin_sessions
+        .delete(&session_name, &DeleteParams::default())
+        .await;
     refused_by(
         "openab-installation-objects",
         "deleting an administrator's claim",
@@ -421,31 +416,37 @@ async fn the_broker_never_deletes_or_adopts_an_administrators_objects() {
     );
     refused_by(
         "openab-installation-objects",
-        "deleting an administrator's Lease",
-        deleted_lease,
+        "deleting an administrator's OabSession",
+        deleted_session,
     );
     refused_by(
         "openab-installation-objects",
-        "relabelling an administrator's Lease as the installation's",
+        "relabelling an administrator's OabSession as the installation's",
         adoption,
     );
     refused_by(
         "openab-installation-objects",
-        "a Lease without the installation",
+        "an OabSession without the installation",
         created,
     );
-    // Its own labelled Lease, by contrast, it may write (the positive control).
-    let mut anchor: Lease = serde_json::from_value(json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "metadata": {"name": unique_name("oab-s-own")}
-    }))
-    .expect("a Lease");
+    // Its own labelled OabSession, by contrast, it may write (the positive control).
+    let mut anchor = session(&unique_name("oab-s-own"));
     anchor.meta_mut().labels = Some(labels("admission", "aaaaaaaaaaaaaaaaaaaa", "anchor"));
-    leases
+    sessions
         .create(&dry_run(), &anchor)
         .await
-        .expect("a Lease of the installation is admitted");
+        .expect("an OabSession of the installation is admitted");
+}
+
+/// An OabSession named `name` with no labels (no installation's).
+fn session(name: &str) -> OabSession {
+    OabSession::new(
+        name,
+        OabSessionSpec {
+            installation: "admission".to_owned(),
+            identity_digest: "ab".repeat(32),
+        },
+    )
 }
 
 /// Whether `address` lies in the IPv4 block `cidr`.

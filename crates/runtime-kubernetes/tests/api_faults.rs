@@ -89,7 +89,7 @@ async fn throttling_and_server_errors_are_retryable_and_what_they_interrupt_is_f
         // Close: the close is recorded, then the write that marks it closed fails.
         faults.add(Rule {
             method: http::Method::PUT,
-            target: "/leases/oab-s-".into(),
+            target: "/oabsessions/oab-s-".into(),
             skip: 1,
             times: 1,
             status,

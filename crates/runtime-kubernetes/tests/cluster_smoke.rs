@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use futures_util::{StreamExt, TryStreamExt};
-use test_cluster::k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use runtime_kubernetes::{OabSession, OabSessionSpec, OabSessionStatus};
 use test_cluster::k8s_openapi::api::core::v1::{
     ConfigMap, Event, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
     PersistentVolumeClaimVolumeSource, Pod, Secret, ServiceAccount, Toleration, Volume, VolumeMount,
@@ -40,18 +40,31 @@ fn ours(session: &str, role: &str) -> std::collections::BTreeMap<String, String>
     .collect()
 }
 
-/// A Lease as the broker may write it: an anchor's name and labels.
-fn lease(name: &str) -> Lease {
-    Lease {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            labels: Some(ours("aaaaaaaaaaaaaaaaaaaa", "anchor")),
-            ..ObjectMeta::default()
+/// An anchor as the broker may write it: its name and labels.
+fn anchor(name: &str) -> OabSession {
+    let mut anchor = OabSession::new(
+        name,
+        OabSessionSpec {
+            installation: "smoke".to_owned(),
+            identity_digest: "ab".repeat(32),
         },
-        spec: Some(LeaseSpec {
-            holder_identity: Some("smoke".to_owned()),
-            ..LeaseSpec::default()
-        }),
+    );
+    anchor.metadata.labels = Some(ours("aaaaaaaaaaaaaaaaaaaa", "anchor"));
+    anchor
+}
+
+/// A status in `phase`, as a record write sends it.
+fn status(phase: &str) -> OabSessionStatus {
+    OabSessionStatus {
+        phase: phase.to_owned(),
+        generation: 1,
+        worker: None,
+        storage: "ephemeral".to_owned(),
+        last_activity: "2026-12-04T00:00:00Z".to_owned(),
+        renew_time: None,
+        lent_to: None,
+        conditions: Vec::new(),
+        record: serde_json::json!({}),
     }
 }
 
@@ -126,14 +139,14 @@ async fn the_broker_has_its_role_and_nothing_else() {
     let listed = volumes.list(&ListParams::default()).await;
     assert_eq!(api_status(&listed), Some(403), "cluster-wide: {listed:?}");
 
-    let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
-    let name = unique_name("oab-s-broker-lease");
-    let created = leases
-        .create(&PostParams::default(), &lease(&name))
+    let anchors: Api<OabSession> = Api::namespaced(cluster.broker(), namespace);
+    let name = unique_name("oab-s-broker-anchor");
+    let created = anchors
+        .create(&PostParams::default(), &anchor(&name))
         .await
-        .expect("the broker creates a Lease in the sessions namespace");
+        .expect("the broker creates an OabSession in the sessions namespace");
     assert_eq!(created.name_any(), name);
-    leases
+    anchors
         .delete(&name, &DeleteParams::default())
         .await
         .expect("and deletes it");
@@ -143,25 +156,28 @@ async fn the_broker_has_its_role_and_nothing_else() {
 #[ignore = "needs a cluster: scripts/cluster up, then cargo test -- --ignored"]
 async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
     let cluster = TestCluster::connect().await;
-    let leases: Api<Lease> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
+    let anchors: Api<OabSession> = Api::namespaced(cluster.broker(), cluster.sessions_namespace());
     let name = unique_name("oab-s-cas");
-    let original = leases
-        .create(&PostParams::default(), &lease(&name))
+    let original = anchors
+        .create(&PostParams::default(), &anchor(&name))
         .await
         .expect("create");
 
+    // The record lives in the status: a status write carries the resourceVersion it read.
     let mut first = original.clone();
-    first.spec.get_or_insert_with(Default::default).lease_transitions = Some(1);
-    leases
-        .replace(&name, &PostParams::default(), &first)
+    first.status = Some(status("Created"));
+    anchors
+        .replace_status(&name, &PostParams::default(), &first)
         .await
         .expect("an update from the current resourceVersion");
     let mut stale = original.clone();
-    stale.spec.get_or_insert_with(Default::default).lease_transitions = Some(2);
-    let refused = leases.replace(&name, &PostParams::default(), &stale).await;
+    stale.status = Some(status("Running"));
+    let refused = anchors
+        .replace_status(&name, &PostParams::default(), &stale)
+        .await;
     assert_eq!(api_status(&refused), Some(409), "{refused:?}");
-    let kept = leases.get(&name).await.expect("get");
-    assert_eq!(kept.spec.and_then(|spec| spec.lease_transitions), Some(1));
+    let kept = anchors.get(&name).await.expect("get");
+    assert_eq!(kept.status.map(|status| status.phase).as_deref(), Some("Created"));
 
     let wrong_uid = DeleteParams {
         preconditions: Some(Preconditions {
@@ -170,9 +186,9 @@ async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
         }),
         ..DeleteParams::default()
     };
-    let refused = leases.delete(&name, &wrong_uid).await;
+    let refused = anchors.delete(&name, &wrong_uid).await;
     assert_eq!(api_status(&refused), Some(409), "{refused:?}");
-    leases
+    anchors
         .get(&name)
         .await
         .expect("still there after the refused delete");
@@ -184,11 +200,11 @@ async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
         }),
         ..DeleteParams::default()
     };
-    leases
+    anchors
         .delete(&name, &right_uid)
         .await
         .expect("delete with the right UID");
-    assert_eq!(api_status(&leases.get(&name).await), Some(404));
+    assert_eq!(api_status(&anchors.get(&name).await), Some(404));
 }
 
 #[tokio::test]
@@ -196,7 +212,7 @@ async fn a_stale_resource_version_and_a_wrong_uid_are_conflicts() {
 async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_rights() {
     let cluster = TestCluster::connect().await;
     let namespace = cluster.sessions_namespace();
-    let leases: Api<Lease> = Api::namespaced(cluster.broker(), namespace);
+    let anchors: Api<OabSession> = Api::namespaced(cluster.broker(), namespace);
     let pods: Api<Pod> = Api::namespaced(cluster.broker(), namespace);
     let session = unique_session_id();
     let name = format!("oab-s-{session}");
@@ -215,13 +231,13 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
         .create(&PostParams::default(), &account)
         .await
         .expect("the session's account");
-    let owner = leases
-        .create(&PostParams::default(), &lease(&name))
+    let owner = anchors
+        .create(&PostParams::default(), &anchor(&name))
         .await
         .expect("create the owner");
     let mut reference = OwnerReference {
-        api_version: Lease::api_version(&()).into_owned(),
-        kind: Lease::kind(&()).into_owned(),
+        api_version: OabSession::api_version(&()).into_owned(),
+        kind: OabSession::kind(&()).into_owned(),
         name: name.clone(),
         uid: owner.uid().expect("a created object has a UID"),
         controller: Some(true),
@@ -229,7 +245,7 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
     };
 
     // OwnerReferencesPermissionEnforcement: blocking the owner's deletion needs update on
-    // leases/finalizers, which the broker's Role does not grant.
+    // oabsessions/finalizers, which the broker's Role does not grant.
     let mut pod = restricted_pod(&pod_name, "openab.dev/absent:test", &[]);
     pod.metadata.labels = Some(ours(&session, "worker"));
     if let Some(spec) = pod.spec.as_mut() {
@@ -244,7 +260,7 @@ async fn deleting_an_owner_collects_its_pod_and_block_owner_deletion_needs_right
     pods.create(&PostParams::default(), &pod)
         .await
         .expect("an owned Pod without blockOwnerDeletion");
-    leases
+    anchors
         .delete(&name, &DeleteParams::background())
         .await
         .expect("delete the owner");

@@ -166,7 +166,7 @@ async fn the_brokers_events_are_about_its_sessions_only() {
     events
         .create(
             &PostParams::default(),
-            &event(&allowed, "openab.dev/session-runtime", "Lease", "oab-s-x"),
+            &event(&allowed, "openab.dev/session-runtime", "OabSession", "oab-s-x"),
         )
         .await
         .expect("an Event about a session anchor");
@@ -174,13 +174,13 @@ async fn the_brokers_events_are_about_its_sessions_only() {
         .delete(&allowed, &Default::default())
         .await;
     for (what, controller, kind, regarding) in [
-        ("another controller's name", "kubelet", "Lease", "oab-s-x"),
+        ("another controller's name", "kubelet", "OabSession", "oab-s-x"),
         ("a Pod", "openab.dev/session-runtime", "Pod", "oab-s-x"),
         (
-            "another Lease",
+            "a Lease under an anchor's name",
             "openab.dev/session-runtime",
             "Lease",
-            "oab-leader-x",
+            "oab-s-x",
         ),
     ] {
         let refused = events

@@ -17,13 +17,13 @@ use std::time::Duration;
 
 use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
+use runtime_kubernetes::OabSession;
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{
     CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime, SessionState,
     StorageState, SuspendReason, WorkerFailure,
 };
 use test_cluster::faults::{Faults, Method, Rule};
-use test_cluster::k8s_openapi::api::coordination::v1::Lease;
 use test_cluster::k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use test_cluster::kube::api::{DeleteParams, ListParams, PropagationPolicy};
 use test_cluster::kube::{Api, ResourceExt};
@@ -231,7 +231,7 @@ async fn an_attach_the_api_server_stopped_answering_leaves_no_unattended_worker_
         });
         faults.add(Rule {
             method: Method::GET,
-            target: format!("leases/oab-s-{id}"),
+            target: format!("oabsessions/oab-s-{id}"),
             skip: 2,
             times: usize::MAX,
             status: 503,
@@ -348,11 +348,22 @@ async fn anchor_deleted_and_made_again(propagation: PropagationPolicy, thread: &
     let old_claim = runtime.status(&id).await.expect("status").storage_refs[0].clone();
     let old_generation = runtime.status(&id).await.expect("status").generation;
 
-    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let leases: Api<OabSession> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let params = DeleteParams {
         propagation_policy: Some(propagation),
         ..DeleteParams::default()
     };
+    // The anchor lost, as a forced deletion loses it: its close finalizer removed first (with
+    // it, a delete is a close the controller carries out).
+    let unfinalized = serde_json::json!({ "metadata": { "finalizers": null } });
+    leases
+        .patch(
+            &format!("oab-s-{id}"),
+            &test_cluster::kube::api::PatchParams::default(),
+            &test_cluster::kube::api::Patch::Merge(&unfinalized),
+        )
+        .await
+        .expect("remove the finalizer");
     leases
         .delete(&format!("oab-s-{id}"), &params)
         .await

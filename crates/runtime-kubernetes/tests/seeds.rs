@@ -233,22 +233,19 @@ async fn set_loan(
     source: &session_runtime::SessionId,
     loan: Option<serde_json::Value>,
 ) {
-    use test_cluster::k8s_openapi::api::coordination::v1::Lease;
-    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let anchors: Api<runtime_kubernetes::OabSession> =
+        Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = format!("oab-s-{source}");
-    let mut anchor = leases.get(&name).await.expect("the source's anchor");
-    let annotations = anchor.metadata.annotations.as_mut().expect("annotations");
-    let mut record: serde_json::Value =
-        serde_json::from_str(&annotations["openab.dev/record"]).expect("the record is JSON");
+    let mut anchor = anchors.get(&name).await.expect("the source's anchor");
+    let record = &mut anchor.status.as_mut().expect("a recorded session").record;
     match loan {
         Some(loan) => record["lent_to"] = loan,
         None => {
             record.as_object_mut().expect("an object").remove("lent_to");
         }
     }
-    annotations.insert("openab.dev/record".into(), record.to_string());
-    leases
-        .replace(&name, &PostParams::default(), &anchor)
+    anchors
+        .replace_status(&name, &PostParams::default(), &anchor)
         .await
         .expect("write the loan");
 }

@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::KubernetesRuntime;
+use runtime_kubernetes::{OabSession, OabSessionSpec};
 use session_runtime::config::{KubernetesConfig, Reach};
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, WorkerFailure};
-use test_cluster::k8s_openapi::api::coordination::v1::Lease;
-use test_cluster::kube::api::{DeleteParams, ObjectMeta, PostParams};
+use test_cluster::kube::api::{DeleteParams, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::TestCluster;
 
@@ -136,21 +136,21 @@ async fn an_object_under_the_sessions_name_that_is_not_its_own_is_never_adopted(
     .expect("a runtime");
     let identity = SessionIdentity::new("foreign", "agent", "test", "squatted").expect("identity");
     let id = identity.id();
-    // Someone else's Lease under the anchor's name, without the session's annotation.
-    let leases: Api<Lease> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    // Someone else's OabSession under the anchor's name, without the session's annotation.
+    let leases: Api<OabSession> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = format!("oab-s-{id}");
-    let squatter = Lease {
-        metadata: ObjectMeta {
-            name: Some(name.clone()),
-            ..ObjectMeta::default()
+    let squatter = OabSession::new(
+        &name,
+        OabSessionSpec {
+            installation: "foreign".to_owned(),
+            identity_digest: "ab".repeat(32),
         },
-        spec: None,
-    };
+    );
     let _ = leases.delete(&name, &DeleteParams::default()).await;
     leases
         .create(&PostParams::default(), &squatter)
         .await
-        .expect("the foreign Lease");
+        .expect("the foreign OabSession");
 
     match runtime.create(&identity, &CreateOptions::new()).await {
         Err(error @ Error::Backend { retryable: false, .. }) => {
@@ -160,8 +160,8 @@ async fn an_object_under_the_sessions_name_that_is_not_its_own_is_never_adopted(
     }
     let after = leases.get(&name).await.expect("still there");
     assert!(
-        after.metadata.annotations.is_none(),
-        "the foreign Lease was changed: {after:?}"
+        after.status.is_none() && after.metadata.annotations.is_none(),
+        "the foreign OabSession was changed: {after:?}"
     );
     // Closing a session whose anchor is not its own changes nothing either.
     assert!(runtime.close(&id, CloseReason::Reset).await.is_err());
