@@ -10,7 +10,8 @@
 //! Every change of the record is a compare-and-swap of the status on the object's
 //! `resourceVersion`. A create writes the object alone (the status subresource ignores a status
 //! sent with it); its first status write is the create's first record change. An anchor without
-//! a status is therefore a create that recorded nothing yet: it names no volume and owns nothing.
+//! a status is therefore a create that recorded nothing yet: it names no volume, and what it may
+//! own (the session's ServiceAccount, a seed Job) goes with it when it is deleted.
 //!
 //! The finalizer [`CLOSE_FINALIZER`] turns `kubectl delete oabsession` into a close with reason
 //! `ended`: the controller closes the session, applies retention, and removes the finalizer once

@@ -12,10 +12,12 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{runtime, AdminObject, WORKER_PROFILE};
+use common::{builder, runtime, AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, LeaderElection, OabSession};
 use session_runtime::config::Reach;
-use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason};
+use session_runtime::{
+    CloseReason, CreateOptions, Retention, RetentionPolicy, SessionIdentity, SessionRuntime, SuspendReason,
+};
 use test_cluster::k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use test_cluster::kube::Api;
 use test_cluster::{unique_name, wait_until, TestCluster};
@@ -226,4 +228,61 @@ async fn deleting_an_oabsession_closes_its_session_and_leaves_no_worker_and_no_v
     task.await
         .expect("the controller task")
         .expect("a clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: scripts/cluster up (OPENAB_CLUSTER_NODE=0 is enough), then cargo test -- --ignored"]
+async fn a_deleted_oabsession_whose_volume_retention_keeps_stays_until_the_retention_ends() {
+    let installation = unique_name("kept");
+    let cluster = TestCluster::connect().await;
+    let namespace = cluster.sessions_namespace();
+    let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
+    let mut retention = RetentionPolicy::default();
+    retention.ended = Retention::Retain;
+    retention.retain_for = Some(Duration::from_secs(4));
+    let runtime = builder(&cluster, &profile, Reach::Exec, &installation)
+        .retention(retention)
+        .build()
+        .expect("runtime");
+    let identity = SessionIdentity::new(&installation, "agent", "test", "kept").expect("identity");
+    let id = runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create")
+        .id;
+    let name = format!("oab-s-{id}");
+    let claim = format!("oab-d-{id}-1");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
+    let anchors: Api<OabSession> = Api::namespaced(cluster.admin(), namespace);
+
+    let deleted = kubectl(&["delete", "oabsession", "-n", namespace, &name, "--wait=false"]);
+    assert!(deleted.status.success(), "{}", said(&deleted));
+    let report = runtime.reconcile().await.expect("reconcile");
+    assert!(report.finished_closes.contains(&id), "{report:?}");
+    let kept = anchors
+        .get(&name)
+        .await
+        .expect("the anchor stays while it holds the volume");
+    assert!(kept.metadata.deletion_timestamp.is_some(), "{kept:?}");
+    let status = kept.status.expect("a status");
+    assert_eq!(status.phase, "Closed");
+    assert!(status.storage.ends_with("(retained)"), "{status:?}");
+    assert!(
+        claims.get_opt(&claim).await.expect("read").is_some(),
+        "the retained volume is kept"
+    );
+
+    // Once the retention ends, a pass deletes the volume, and with it the anchor goes.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let report = runtime.reconcile().await.expect("reconcile");
+    assert!(report.expired_storage.contains(&id), "{report:?}");
+    assert!(report.expired_records.contains(&id), "{report:?}");
+    assert!(
+        anchors.get_opt(&name).await.expect("read").is_none(),
+        "the anchor is gone"
+    );
+    wait_until("the volume to be gone", GENEROUS, || async {
+        claims.get_opt(&claim).await.ok()?.is_none().then_some(())
+    })
+    .await;
 }
