@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{builder, runtime, AdminObject, WORKER_PROFILE};
-use runtime_kubernetes::{Controller, ControllerEvent, LeaderElection, OabSession};
+use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection, OabSession};
 use session_runtime::config::Reach;
 use session_runtime::{
-    CloseReason, CreateOptions, Retention, RetentionPolicy, SessionIdentity, SessionRuntime, SuspendReason,
+    CloseReason, CreateOptions, Retention, RetentionPolicy, SessionId, SessionIdentity, SessionRuntime,
+    SuspendReason,
 };
 use test_cluster::k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use test_cluster::kube::Api;
@@ -31,6 +32,16 @@ fn kubectl(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("kubectl (scripts/cluster env puts it on PATH)")
+}
+
+/// Creates the session of `thread` in `installation`.
+async fn create(runtime: &KubernetesRuntime, installation: &str, thread: &str) -> SessionId {
+    let identity = SessionIdentity::new(installation, "agent", "test", thread).expect("identity");
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create")
+        .id
 }
 
 fn said(output: &Output) -> String {
@@ -49,12 +60,7 @@ async fn kubectl_lists_a_session_with_its_columns_waits_on_its_conditions_and_de
     let namespace = cluster.sessions_namespace();
     let profile = AdminObject::profile(&cluster, &installation, WORKER_PROFILE).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
-    let identity = SessionIdentity::new(&installation, "agent", "test", "viewed").expect("identity");
-    let id = runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create")
-        .id;
+    let id = create(&runtime, &installation, "viewed").await;
     let name = format!("oab-s-{id}");
     let attachment = runtime.attach(&id).await.expect("attach");
 
@@ -162,12 +168,7 @@ async fn deleting_an_oabsession_closes_its_session_and_leaves_no_worker_and_no_v
         let _ = stopped.await;
     }));
 
-    let identity = SessionIdentity::new(&installation, "agent", "test", "deleted").expect("identity");
-    let id = runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create")
-        .id;
+    let id = create(&runtime, &installation, "deleted").await;
     let attachment = runtime.attach(&id).await.expect("attach");
     let claim = runtime.status(&id).await.expect("status").storage_refs[0]
         .trim_start_matches("persistentvolumeclaim/")
@@ -244,12 +245,7 @@ async fn a_deleted_oabsession_whose_volume_retention_keeps_stays_until_the_reten
         .retention(retention)
         .build()
         .expect("runtime");
-    let identity = SessionIdentity::new(&installation, "agent", "test", "kept").expect("identity");
-    let id = runtime
-        .create(&identity, &CreateOptions::new())
-        .await
-        .expect("create")
-        .id;
+    let id = create(&runtime, &installation, "kept").await;
     let name = format!("oab-s-{id}");
     let claim = format!("oab-d-{id}-1");
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.admin(), namespace);
