@@ -210,7 +210,7 @@ pub(crate) async fn session(
     let _held = lock.lock().await;
     let worker = worker.filter(|pod| pod.metadata.deletion_timestamp.is_none());
     if anchor.is_deleted() {
-        return finish_deletion(runtime, id, record, report).await;
+        return finish_deletion(runtime, id, anchor, record, report).await;
     }
     if record.phase == Phase::Provisioning && is_old(&anchor.metadata, runtime) {
         // A create whose broker went away before the storage was made (or recorded): finished
@@ -471,32 +471,42 @@ async fn expire_record(
 /// An anchor someone deleted (`kubectl delete oabsession`): its session closes with reason
 /// `ended` and the profile's retention, and the close finalizer goes once the record holds
 /// nothing. A volume that retention keeps holds it until the retention ends, so the record that
-/// will delete the volume then is never lost first.
+/// will delete the volume then is never lost first. A pass that changes nothing reads nothing.
 async fn finish_deletion(
     runtime: &KubernetesRuntime,
     id: &SessionId,
+    anchor: &OabSession,
     record: SessionRecord,
     report: &mut ReconcileReport,
 ) -> Result<()> {
-    match record.state() {
-        SessionState::Closed => {}
+    let closed_now = match record.state() {
+        SessionState::Closed => false,
         SessionState::Closing => {
-            runtime.finish_close(id, record).await?;
-            report.finished_closes.push(*id);
+            runtime.finish_close(id, record.clone()).await?;
+            true
         }
         _ => {
             runtime.close_locked(id, CloseReason::Ended).await?;
-            report.finished_closes.push(*id);
             note(runtime, id, "closed: its anchor was deleted".to_owned()).await;
+            true
         }
+    };
+    let (mut anchor, mut record) = (anchor.clone(), record);
+    if closed_now {
+        report.finished_closes.push(*id);
+        let Some(read) = runtime.load(id).await? else {
+            return Ok(());
+        };
+        (anchor, record) = read;
     }
-    let Some((_, record)) = runtime.load(id).await? else {
-        return Ok(());
-    };
+    let expired = report.expired_storage.len();
     expire_storage(runtime, id, &record, report).await?;
-    let Some((anchor, record)) = runtime.load(id).await? else {
-        return Ok(());
-    };
+    if report.expired_storage.len() > expired {
+        let Some(read) = runtime.load(id).await? else {
+            return Ok(());
+        };
+        (anchor, record) = read;
+    }
     if record.state() == SessionState::Closed
         && !record.holds_storage()
         && remove_anchor(runtime, &anchor).await?
