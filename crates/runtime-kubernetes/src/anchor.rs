@@ -138,16 +138,16 @@ fn preserved_object(_: &mut SchemaGenerator) -> Schema {
 impl OabSession {
     /// A new anchor for session `id`, with the close finalizer.
     pub(crate) fn for_session(installation: &str, id: &SessionId, identity_digest: &str) -> Self {
-        let mut anchor = OabSession::new(
-            &names::anchor(id),
-            OabSessionSpec {
+        let mut metadata = names::meta(names::anchor(id), installation, id, "anchor");
+        metadata.finalizers = Some(vec![CLOSE_FINALIZER.to_owned()]);
+        OabSession {
+            metadata,
+            spec: OabSessionSpec {
                 installation: installation.to_owned(),
                 identity_digest: identity_digest.to_owned(),
             },
-        );
-        anchor.metadata = names::meta(names::anchor(id), installation, id, "anchor");
-        anchor.metadata.finalizers = Some(vec![CLOSE_FINALIZER.to_owned()]);
-        anchor
+            status: None,
+        }
     }
 
     /// The record in the status, checked to be the session's; `None` before the first write.
@@ -257,7 +257,7 @@ fn conditions(record: &SessionRecord, previous: &[SessionCondition], now: &str) 
         phase.clone()
     };
     let suspended_reason = match (&record.suspend_reason, suspended) {
-        (Some(reason), true) => camel(&format!("{reason:?}")),
+        (Some(reason), true) => camel(reason.as_str()),
         _ => phase.clone(),
     };
     let (closing_reason, closing_message) = match (&record.close, closing) {
@@ -294,7 +294,7 @@ fn conditions(record: &SessionRecord, previous: &[SessionCondition], now: &str) 
     .collect()
 }
 
-/// `ended` → `Ended`, `Idle` stays.
+/// `ended` → `Ended`.
 fn camel(word: &str) -> String {
     let mut chars = word.chars();
     chars
@@ -304,7 +304,7 @@ fn camel(word: &str) -> String {
 }
 
 /// Seconds since the epoch as RFC 3339.
-pub(crate) fn rfc3339(seconds: u64) -> String {
+fn rfc3339(seconds: u64) -> String {
     i64::try_from(seconds)
         .ok()
         .and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok())
