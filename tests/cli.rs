@@ -1088,6 +1088,55 @@ fn a_run_killed_by_sigkill_leaves_no_agent_running_in_any_mode() {
     }
 }
 
+/// The lock of a `run` killed a moment ago can outlive it (held by its last exiting thread, or a
+/// process it was starting): its guard waits for that lock instead of failing on it. Here a
+/// `flock` queued behind `run`'s lock takes it as `run` dies and holds it for a second.
+#[test]
+fn a_killed_runs_guard_waits_for_the_lock_its_broker_left() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (config, root) = plain_config(dir.path());
+    let mut run = spawn_run(
+        &config,
+        "left-lock",
+        &["/bin/sh", "-c", "echo up; exec sleep 300"],
+    );
+    let mut stderr = std::io::BufReader::new(run.stderr.take().expect("stderr"));
+    let (pid, start) = attached_worker(&mut stderr);
+    let mut stdout = std::io::BufReader::new(run.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("the agent is up");
+    let session = std::fs::read_dir(&root)
+        .expect("the root")
+        .flatten()
+        .find(|entry| entry.path().join("lock").exists())
+        .expect("the session's directory")
+        .path();
+    let mut holder = Command::new("flock")
+        .arg(session.join("lock"))
+        .args(["sleep", "1"])
+        .spawn()
+        .expect("flock");
+    // `flock` is queued behind `run`'s lock before `run` dies.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    run.kill().expect("SIGKILL run");
+    let _ = run.wait();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while still_runs(pid, start) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let survived = still_runs(pid, start);
+    if survived {
+        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    }
+    let _ = holder.wait();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    assert!(!survived, "the agent {pid} outlived a SIGKILLed run: {rest}");
+    assert_eq!(only_session_state(&config), "suspended", "{rest}");
+    assert!(rest.contains("suspended"), "{rest}");
+}
+
 /// A sandboxed agent that fails as it starts is most often missing a file of the host it was
 /// not shown: the log says that `agent.needs` may be missing it (plain mode shows everything,
 /// and says nothing of the kind).

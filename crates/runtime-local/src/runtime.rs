@@ -686,7 +686,10 @@ impl LocalRuntime {
         if state != SessionState::Running && record.worker.is_none() && held.worker.is_none() {
             return Ok(());
         }
-        self.own(held, id, &dirs, Some(&record))?;
+        if self.own_left_behind(held, id, &dirs, &record).await? {
+            // Read again under the lock: the broker that held it may have changed it.
+            record = self.load(&id)?.ok_or(Error::NotFound { id })?;
+        }
         let stopping = record.clone();
         if state == SessionState::Running {
             record.phase = Phase::Session(SessionState::Suspended);
@@ -1270,6 +1273,43 @@ impl LocalRuntime {
         })
     }
 
+    /// Takes the session's lock like [`own`](Self::own), but waits (polling, within
+    /// `ORPHAN_EXIT_WAIT`) while the lock outlives the broker `record` names (see
+    /// [`own_abandoned`](Self::own_abandoned)): a `run` killed a moment ago is suspended by its
+    /// guard, which must not fail on the lock its dying broker's last child still holds.
+    /// `Ok(true)` if it waited (the record may have changed meanwhile).
+    ///
+    /// # Errors
+    /// [`Error::StorageInUse`] if a live broker holds the lock, or the lock outlived the wait.
+    async fn own_left_behind(
+        &self,
+        held: &mut Held,
+        id: SessionId,
+        dirs: &SessionDirs,
+        record: &SessionRecord,
+    ) -> Result<bool> {
+        let deadline = tokio::time::Instant::now() + ORPHAN_EXIT_WAIT;
+        let mut waited = false;
+        loop {
+            match self.own(held, id, dirs, Some(record)) {
+                Err(Error::StorageInUse { .. })
+                    if !self.owned_by_live_broker(record) && tokio::time::Instant::now() < deadline =>
+                {
+                    waited = true;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                owned => return owned.map(|()| waited),
+            }
+        }
+    }
+
+    /// Whether `record` names a worker of another broker that still runs.
+    fn owned_by_live_broker(&self, record: &SessionRecord) -> bool {
+        record
+            .worker
+            .is_some_and(|w| w.broker != self.broker && w.broker.is_alive())
+    }
+
     /// Takes the session's lock for `reconcile`, to repair what a broker that is gone left
     /// behind. `Ok(false)`: a live broker owns the session.
     ///
@@ -1290,10 +1330,7 @@ impl LocalRuntime {
                 Err(Error::StorageInUse { .. }) => {}
                 Err(error) => return Err(error),
             }
-            let abandoned = record
-                .worker
-                .is_none_or(|w| w.broker == self.broker || !w.broker.is_alive());
-            if !abandoned || tokio::time::Instant::now() >= deadline {
+            if self.owned_by_live_broker(&record) || tokio::time::Instant::now() >= deadline {
                 return Ok(false);
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1382,9 +1419,7 @@ impl LocalRuntime {
         } else if (state == SessionState::Running || record.worker.is_some())
             && recorded.is_none()
             && held.worker.is_none()
-            && record
-                .worker
-                .is_none_or(|w| w.broker == self.broker || !w.broker.is_alive())
+            && !self.owned_by_live_broker(&record)
         {
             // The record names a worker (or says one runs), but it is gone and no live broker
             // owns the session: it died with a broker killed by SIGKILL (bubblewrap's

@@ -311,7 +311,8 @@ pub(crate) async fn guard(settings: &Settings, id: &str) -> crate::commands::Out
         return Ok(ExitCode::SUCCESS);
     }
     // A dying process closes its descriptors one by one (this pipe may close before the
-    // session's lock) and is reparented only once all are closed: wait for that.
+    // session's lock): wait until it is reparented. That may still come before its last thread
+    // closed the lock; the local runtime's suspend waits for a lock a dead broker left.
     let deadline = std::time::Instant::now() + GUARD_WAIT_FOR_EXIT;
     while run.is_some() && rustix::process::getppid() == run && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
