@@ -6,7 +6,9 @@
 //!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
 //!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
 //!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it; and a
-//!    resume (attach after suspend) of the same session, whose worker needs no init container.
+//!    resume (attach after suspend) of the same session, whose worker needs no init container;
+//!    then the same with the volume mounted whole (`volume_path`), which needs none at all.
+//!    Medians and p95 of 20.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //! 4. On the real node: 30 sessions at once (`OAB_BENCH_CONCURRENT` changes the number), each a
@@ -98,6 +100,18 @@ async fn run() {
     maps.create(&PostParams::default(), &volume_profile)
         .await
         .expect("the profile with a volume");
+    // The same with the volume mounted whole (`volume_path`): no init container.
+    let whole_volume = format!("{installation}-whole");
+    let whole_profile = profile(
+        &whole_volume,
+        &format!(
+            "volume_path = \"/session\"\n{}",
+            WORKER.replace(EPHEMERAL, PER_SESSION)
+        ),
+    );
+    maps.create(&PostParams::default(), &whole_profile)
+        .await
+        .expect("the profile with a volume mounted whole");
     let faults = Faults::new();
     let build = |profile: &str| {
         let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile);
@@ -126,7 +140,13 @@ async fn run() {
         requests_per_lifecycle(&runtime, &faults, &installation).await;
     }
     if part("2") {
-        attach_against_a_bare_pod(&cluster, &build(&with_volume), &installation).await;
+        attach_against_a_bare_pod(
+            &cluster,
+            &build(&with_volume),
+            &build(&whole_volume),
+            &installation,
+        )
+        .await;
     }
     if part("3") {
         reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
@@ -146,7 +166,7 @@ async fn run() {
     if part("5") {
         real_agent_against_a_bare_pod(&cluster, &build(&real_agent), &installation).await;
     }
-    for name in [&installation, &with_volume, &real_agent] {
+    for name in [&installation, &with_volume, &whole_volume, &real_agent] {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
 }
@@ -258,13 +278,51 @@ async fn bare_pod_to_ready(pods: &Api<Pod>, pod: Pod) -> Duration {
     elapsed
 }
 
-async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRuntime, installation: &str) {
+/// One new session of `runtime`: attach to the relay's welcome, to the first ACP reply, and a
+/// resume (attach after suspend) to its first ACP reply.
+async fn new_session_and_resume(
+    runtime: &KubernetesRuntime,
+    installation: &str,
+    name: &str,
+) -> [Duration; 3] {
+    let identity = SessionIdentity::new(installation, "agent", "bench", name).expect("identity");
+    let id = identity.id();
+    runtime
+        .create(&identity, &CreateOptions::new())
+        .await
+        .expect("create");
+    let started = Instant::now();
+    let attachment = runtime.attach(&id).await.expect("attach");
+    let attached = started.elapsed();
+    let client = AcpClient::new(attachment);
+    client.initialize().await.expect("the first ACP reply");
+    let first = started.elapsed();
+    drop(client);
+    runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");
+    let started = Instant::now();
+    let client = AcpClient::new(runtime.attach(&id).await.expect("resume"));
+    client
+        .initialize()
+        .await
+        .expect("the first ACP reply after resume");
+    let resume = started.elapsed();
+    drop(client);
+    runtime.close(&id, CloseReason::Reset).await.expect("close");
+    [attached, first, resume]
+}
+
+/// Part 2: `subpaths` mounts the workspace and HOME as subPaths (an init container makes them
+/// on a new volume); `whole` mounts the volume whole (`volume_path`: the relay makes them).
+async fn attach_against_a_bare_pod(
+    cluster: &TestCluster,
+    subpaths: &KubernetesRuntime,
+    whole: &KubernetesRuntime,
+    installation: &str,
+) {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let mut bare = Vec::new();
     let mut shaped = Vec::new();
-    let mut attached = Vec::new();
-    let mut attach = Vec::new();
-    let mut resume = Vec::new();
+    let mut layouts: [[Vec<Duration>; 3]; 2] = Default::default();
     // Interleaved, so a machine that slows down mid-run slows all alike.
     for sample in 0..SAMPLES {
         let pod = restricted_pod(
@@ -273,7 +331,7 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
             &["/bin/sleep", "3600"],
         );
         bare.push(bare_pod_to_ready(&pods, pod).await);
-        // The worker's shape: the same container first as an init container that exits at once.
+        // The subPath worker's shape: the same container first as an init container that exits at once.
         let mut pod = restricted_pod(
             &format!("{installation}-shaped-{sample}"),
             "openab.dev/worker:test",
@@ -286,55 +344,41 @@ async fn attach_against_a_bare_pod(cluster: &TestCluster, runtime: &KubernetesRu
             spec.init_containers = Some(vec![init]);
         }
         shaped.push(bare_pod_to_ready(&pods, pod).await);
-
-        let identity = SessionIdentity::new(installation, "agent", "bench", format!("attach-{sample}"))
-            .expect("identity");
-        let id = identity.id();
-        runtime
-            .create(&identity, &CreateOptions::new())
-            .await
-            .expect("create");
-        let started = Instant::now();
-        let attachment = runtime.attach(&id).await.expect("attach");
-        attached.push(started.elapsed());
-        let client = AcpClient::new(attachment);
-        client.initialize().await.expect("the first ACP reply");
-        attach.push(started.elapsed());
-        drop(client);
-        runtime
-            .suspend(&id, session_runtime::SuspendReason::Idle)
-            .await
-            .expect("suspend");
-        let started = Instant::now();
-        let client = AcpClient::new(runtime.attach(&id).await.expect("resume"));
-        client
-            .initialize()
-            .await
-            .expect("the first ACP reply after resume");
-        resume.push(started.elapsed());
-        drop(client);
-        runtime.close(&id, CloseReason::Reset).await.expect("close");
+        for (layout, runtime) in [subpaths, whole].into_iter().enumerate() {
+            let figures =
+                new_session_and_resume(runtime, installation, &format!("attach-{layout}-{sample}")).await;
+            for (samples, figure) in layouts[layout].iter_mut().zip(figures) {
+                samples.push(figure);
+            }
+        }
     }
-    let (bare_min, bare_median, bare_max) = median(bare);
-    let (shaped_min, shaped_median, shaped_max) = median(shaped);
-    let (attached_min, attached_median, attached_max) = median(attached);
-    let (attach_min, attach_median, attach_max) = median(attach);
-    let (resume_min, resume_median, resume_max) = median(resume);
-    println!("attach of a new session (a volume of its own) to its first ACP reply, against a bare Pod of the same image to Ready ({SAMPLES} each):");
-    println!(
-        "  bare Pod              min {bare_min:>9.1?}  median {bare_median:>9.1?}  max {bare_max:>9.1?}"
-    );
-    println!("  bare Pod, init + main min {shaped_min:>9.1?}  median {shaped_median:>9.1?}  max {shaped_max:>9.1?}");
-    println!("  attach returned       min {attached_min:>9.1?}  median {attached_median:>9.1?}  max {attached_max:>9.1?}");
-    println!("  first ACP reply       min {attach_min:>9.1?}  median {attach_median:>9.1?}  max {attach_max:>9.1?}");
-    println!("  resume to ACP reply   min {resume_min:>9.1?}  median {resume_median:>9.1?}  max {resume_max:>9.1?}  (suspended, then attached again: no init container)");
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
-    println!(
-        "  ratio of medians: {:.2}x the bare Pod; {:.2}x the bare Pod of the worker's shape",
-        ratio(attach_median, bare_median),
-        ratio(attach_median, shaped_median)
-    );
-    println!("  resume: {:.2}x the bare Pod", ratio(resume_median, bare_median));
+    let row = |label: &str, samples: &[Duration]| {
+        let mut sorted = samples.to_vec();
+        sorted.sort();
+        let (min, median, max) = (sorted[0], sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+        let p95 = percentile(&mut sorted, 0.95);
+        println!("  {label:<28} min {min:>9.1?}  median {median:>9.1?}  p95 {p95:>9.1?}  max {max:>9.1?}");
+        median
+    };
+    println!("a new session (a volume of its own) to its first ACP reply, and its resume, against a bare Pod of the same image to Ready ({SAMPLES} each):");
+    let bare_median = row("bare Pod", &bare);
+    let shaped_median = row("bare Pod, init + main", &shaped);
+    for (label, [attached, first, resume]) in [
+        ("subPaths + init container", &layouts[0]),
+        ("volume mounted whole", &layouts[1]),
+    ] {
+        println!(" {label}:");
+        row("attach returned", attached);
+        let first = row("first ACP reply", first);
+        let resume = row("resume to ACP reply", resume);
+        println!(
+            "  ratio of medians: first reply {:.2}x the bare Pod ({:.2}x the bare Pod with an init container), resume {:.2}x the bare Pod",
+            ratio(first, bare_median),
+            ratio(first, shaped_median),
+            ratio(resume, bare_median)
+        );
+    }
 }
 
 /// This process's CPU time (user and system), from /proc.

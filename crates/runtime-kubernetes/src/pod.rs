@@ -31,8 +31,8 @@ pub(crate) const WORKER_UID: i64 = 65532;
 /// Where the init container mounts the whole session volume to make its two directories.
 pub(crate) const PREPARE_MOUNT: &str = "/session";
 /// The session volume's directories: the workspace and HOME, mounted at the profile's paths.
-const WORKSPACE_DIR: &str = "workspace";
-const HOME_DIR: &str = "home";
+pub(crate) const WORKSPACE_DIR: &str = "workspace";
+pub(crate) const HOME_DIR: &str = "home";
 /// The worker's only container.
 pub(crate) const CONTAINER: &str = "worker";
 
@@ -135,28 +135,36 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
             ..Volume::default()
         },
     ];
-    // The agent mounts only its session's directories; the init container alone sees the whole
-    // volume.
+    // A volume of the session's own may be mounted whole (the relay makes the two directories
+    // on it); otherwise the agent mounts only its session's directories, and the init container
+    // alone sees the whole volume.
     let (workspace_dir, home_dir) = session_dirs(profile, spec.id);
-    let mut mounts = vec![
-        VolumeMount {
+    let mut mounts = match &profile.volume_path {
+        Some(volume) => vec![VolumeMount {
             name: "session".to_owned(),
-            mount_path: profile.mount_path.clone(),
-            sub_path: Some(workspace_dir.clone()),
+            mount_path: volume.clone(),
             ..VolumeMount::default()
-        },
-        VolumeMount {
-            name: "session".to_owned(),
-            mount_path: profile.home_path.clone(),
-            sub_path: Some(home_dir.clone()),
-            ..VolumeMount::default()
-        },
-        VolumeMount {
-            name: "tmp".to_owned(),
-            mount_path: "/tmp".to_owned(),
-            ..VolumeMount::default()
-        },
-    ];
+        }],
+        None => vec![
+            VolumeMount {
+                name: "session".to_owned(),
+                mount_path: profile.mount_path.clone(),
+                sub_path: Some(workspace_dir.clone()),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "session".to_owned(),
+                mount_path: profile.home_path.clone(),
+                sub_path: Some(home_dir.clone()),
+                ..VolumeMount::default()
+            },
+        ],
+    };
+    mounts.push(VolumeMount {
+        name: "tmp".to_owned(),
+        mount_path: "/tmp".to_owned(),
+        ..VolumeMount::default()
+    });
     for (index, skill) in profile.skills.iter().enumerate() {
         // By position: a skill's name may be longer than a volume name may be.
         let name = format!("skill-{index}");
@@ -232,19 +240,30 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         profile.mount_path.clone(),
         "--term-grace".to_owned(),
         format!("{}ms", profile.termination_grace.as_millis()),
-        "--".to_owned(),
     ];
+    // The kubelet would make a missing subPath as root, which the agent could not write: the
+    // relay, as the worker user, makes both directories first, in the worker itself where it
+    // sees the whole volume, else in an init container (only where they may be missing).
+    let prepare = match profile.volume_path {
+        Some(_) => {
+            for dir in [&profile.mount_path, &profile.home_path] {
+                command.extend(["--make-dir".to_owned(), dir.clone()]);
+            }
+            None
+        }
+        None => spec.prepare.then(|| {
+            prepare_container(
+                profile,
+                vec![
+                    format!("{PREPARE_MOUNT}/{workspace_dir}"),
+                    format!("{PREPARE_MOUNT}/{home_dir}"),
+                ],
+            )
+        }),
+    };
+    command.push("--".to_owned());
     command.extend(profile.agent.iter().cloned());
 
-    // The kubelet would make a missing subPath as root, which the agent could not write: the
-    // relay, as the worker user, makes both directories first.
-    let prepare = prepare_container(
-        profile,
-        vec![
-            format!("{PREPARE_MOUNT}/{workspace_dir}"),
-            format!("{PREPARE_MOUNT}/{home_dir}"),
-        ],
-    );
     let security = restricted_container();
 
     let container = Container {
@@ -282,7 +301,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     Pod {
         metadata,
         spec: Some(PodSpec {
-            init_containers: spec.prepare.then(|| vec![prepare]),
+            init_containers: prepare.map(|prepare| vec![prepare]),
             containers: vec![container],
             volumes: Some(volumes),
             restart_policy: Some("Never".to_owned()),
@@ -559,6 +578,48 @@ mod tests {
             "no init container once the directories exist"
         );
         assert_eq!(sub_paths(&later), sub_paths(&first), "the same directories");
+    }
+
+    /// With `volume_path`, a volume of the session's own is mounted whole and the relay makes
+    /// the two directories: no init container, on the first worker as on any later one.
+    #[test]
+    fn a_whole_volume_worker_makes_its_directories_without_an_init_container() {
+        for storage in ["", "[storage]\nkind = \"ephemeral\"\n"] {
+            let (_, pod) = pod_for(&format!("volume_path = \"/session\"\n{storage}"));
+            let spec = pod.spec.as_ref().expect("spec");
+            assert!(spec.init_containers.is_none(), "{storage}");
+            let container = &spec.containers[0];
+            let session: Vec<(String, Option<String>)> = container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .filter(|mount| mount.name == "session")
+                .map(|mount| (mount.mount_path.clone(), mount.sub_path.clone()))
+                .collect();
+            assert_eq!(session, [("/session".to_owned(), None)], "{storage}");
+            let command = container.command.clone().unwrap_or_default();
+            let agent_at = command
+                .iter()
+                .position(|arg| arg == "--")
+                .expect("the agent's argv");
+            let made: Vec<&str> = command[..agent_at]
+                .windows(2)
+                .filter(|pair| pair[0] == "--make-dir")
+                .map(|pair| pair[1].as_str())
+                .collect();
+            assert_eq!(made, ["/session/workspace", "/session/home"], "{command:?}");
+            assert!(
+                command
+                    .windows(2)
+                    .any(|pair| pair == ["--workdir", "/session/workspace"]),
+                "{command:?}"
+            );
+            let env = env(&pod);
+            assert!(
+                env.contains(&("HOME".to_owned(), "/session/home".to_owned())),
+                "{env:?}"
+            );
+        }
     }
 
     #[test]

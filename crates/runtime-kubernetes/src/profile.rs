@@ -17,6 +17,7 @@
 //! relay_port = 7780                           # default 7780
 //! mount_path = "/workspace"                   # default "/workspace"
 //! home_path = "/home/agent"                   # default "/home/agent"
+//! # volume_path = "/session"                  # see WorkerProfile::volume_path; default none
 //! runtime_class = "gvisor"                    # default: the cluster's default runtime
 //! egress = ["10.0.0.0/8", "fd00::/8"]         # default: none
 //! egress_gateway = "openab-egress-gateway:3128" # the egress gateway's Service as workers reach it
@@ -127,6 +128,17 @@ pub struct WorkerProfile {
     pub mount_path: String,
     /// Where HOME is mounted in the worker. Default [`WorkerProfile::DEFAULT_HOME_PATH`].
     pub home_path: String,
+    /// Where a volume of the session's own (`per-session` or `ephemeral` storage) is mounted
+    /// whole, with the workspace and HOME as its `workspace` and `home` directories, which the
+    /// relay makes as the worker user before it starts the agent: no init container runs, so a
+    /// new session's worker is Ready as soon as a Pod without one (see `docs/kubernetes.md`).
+    /// [`mount_path`](Self::mount_path) and [`home_path`](Self::home_path) then default to
+    /// `<volume_path>/workspace` and `<volume_path>/home`, and may only be written as those.
+    /// Default `None`: the workspace and HOME are mounted as subPaths where `mount_path` and
+    /// `home_path` say, and a volume's first worker makes them in an init container (the kubelet
+    /// would make them as root). Refused with `borrowed` storage, whose volume holds other
+    /// sessions' directories.
+    pub volume_path: Option<String>,
     /// Read-only inputs mounted into every worker (skills, tools, reference data). Default none.
     pub skills: Vec<ReadOnlyInput>,
     /// Whether [`skills`](Self::skills) must be read-only all the way down (submounts
@@ -348,6 +360,7 @@ impl WorkerProfile {
     /// Workspace, HOME and read-only inputs: well-formed paths, none inside another, so no mount
     /// hides or exposes another's contents.
     fn check_mounts(&self) -> Result<(), Error> {
+        self.check_volume_path()?;
         check_mount_path(&self.mount_path)
             .map_err(|reason| self.invalid("mount_path", format!("{reason}, e.g. \"/workspace\"")))?;
         check_mount_path(&self.home_path)
@@ -367,6 +380,9 @@ impl WorkerProfile {
             ("home_path".to_owned(), self.home_path.as_str()),
             ("the worker's /tmp".to_owned(), "/tmp"),
         ];
+        if let Some(volume) = &self.volume_path {
+            taken.push(("volume_path".to_owned(), volume.as_str()));
+        }
         for (index, input) in self.skills.iter().enumerate() {
             let entry = index + 1;
             input.check(self, entry)?;
@@ -390,6 +406,35 @@ impl WorkerProfile {
                 ));
             }
             taken.push((format!("the mount_path of entry {entry}"), &input.mount_path));
+        }
+        Ok(())
+    }
+
+    /// [`volume_path`](Self::volume_path): a volume of the session's own, with the workspace and
+    /// HOME where the relay makes them on it.
+    fn check_volume_path(&self) -> Result<(), Error> {
+        let Some(volume) = &self.volume_path else {
+            return Ok(());
+        };
+        check_mount_path(volume)
+            .map_err(|reason| self.invalid("volume_path", format!("{reason}, e.g. \"/session\"")))?;
+        if matches!(self.storage, Storage::Borrowed { .. }) {
+            return Err(self.invalid(
+                "volume_path",
+                "needs a volume of the session's own (storage kind \"per-session\" or \"ephemeral\"): a borrowed volume holds other sessions' directories, which the agent must not see",
+            ));
+        }
+        let (workspace, home) = whole_volume_paths(volume);
+        for (key, path, expected) in [
+            ("mount_path", &self.mount_path, workspace),
+            ("home_path", &self.home_path, home),
+        ] {
+            if *path != expected {
+                return Err(self.invalid(
+                    key,
+                    format!("is {path:?}, but with volume_path {volume:?} it is {expected:?} (leave it out)"),
+                ));
+            }
         }
         Ok(())
     }
@@ -1030,8 +1075,9 @@ struct Document {
     relay_port: u16,
     resources: Resources,
     storage: Storage,
-    mount_path: String,
-    home_path: String,
+    mount_path: Option<String>,
+    home_path: Option<String>,
+    volume_path: Option<String>,
     skills: Vec<ReadOnlyInput>,
     skills_read_only: SkillsReadOnly,
     home_template: Option<HomeTemplate>,
@@ -1062,8 +1108,9 @@ impl Default for Document {
             relay_port: WorkerProfile::DEFAULT_RELAY_PORT,
             resources: Resources::default(),
             storage: Storage::default(),
-            mount_path: WorkerProfile::DEFAULT_MOUNT_PATH.to_owned(),
-            home_path: WorkerProfile::DEFAULT_HOME_PATH.to_owned(),
+            mount_path: None,
+            home_path: None,
+            volume_path: None,
             skills: Vec::new(),
             skills_read_only: SkillsReadOnly::default(),
             home_template: None,
@@ -1086,6 +1133,21 @@ impl Default for Document {
 impl Document {
     /// The profile, named and versioned; not yet validated.
     fn into_profile(self, name: &str, version: &str) -> WorkerProfile {
+        let (mount_path, home_path) = match &self.volume_path {
+            Some(volume) => {
+                let (workspace, home) = whole_volume_paths(volume);
+                (
+                    self.mount_path.unwrap_or(workspace),
+                    self.home_path.unwrap_or(home),
+                )
+            }
+            None => (
+                self.mount_path
+                    .unwrap_or_else(|| WorkerProfile::DEFAULT_MOUNT_PATH.to_owned()),
+                self.home_path
+                    .unwrap_or_else(|| WorkerProfile::DEFAULT_HOME_PATH.to_owned()),
+            ),
+        };
         WorkerProfile {
             name: name.to_owned(),
             version: version.to_owned(),
@@ -1095,8 +1157,9 @@ impl Document {
             relay_port: self.relay_port,
             resources: self.resources,
             storage: self.storage,
-            mount_path: self.mount_path,
-            home_path: self.home_path,
+            mount_path,
+            home_path,
+            volume_path: self.volume_path,
             skills: self.skills,
             skills_read_only: self.skills_read_only,
             home_template: self.home_template,
@@ -1172,6 +1235,16 @@ fn check_mount_path(path: &str) -> Result<(), String> {
             "expected an absolute, normalized path other than \"/\", found {path:?}"
         ))
     }
+}
+
+/// The workspace and HOME of a worker whose volume is mounted whole at `volume` (see
+/// [`WorkerProfile::volume_path`]): the volume's own directories for them.
+fn whole_volume_paths(volume: &str) -> (String, String) {
+    use crate::pod::{HOME_DIR, WORKSPACE_DIR};
+    (
+        format!("{volume}/{WORKSPACE_DIR}"),
+        format!("{volume}/{HOME_DIR}"),
+    )
 }
 
 /// Whether one of two normalized paths is the other or lies inside it.
@@ -1349,6 +1422,7 @@ mod tests {
             },
             mount_path: "/work/space".into(),
             home_path: "/home/someone".into(),
+            volume_path: None,
             skills: vec![
                 ReadOnlyInput {
                     name: "skills".into(),
@@ -1650,6 +1724,61 @@ mod tests {
         let profile = WorkerProfile::from_toml(NAME, "1", &format!("{MINIMAL}{}", skill("/workspaces")))
             .expect("valid");
         assert_eq!(profile.skills[0].mount_path, "/workspaces");
+    }
+
+    #[test]
+    fn a_volume_path_places_the_workspace_and_home_on_the_whole_volume() {
+        for storage in ["", "[storage]\nkind = \"ephemeral\"\n"] {
+            let profile = WorkerProfile::from_toml(
+                NAME,
+                "1",
+                &format!("{MINIMAL}volume_path = \"/session\"\n{storage}"),
+            )
+            .expect("valid");
+            assert_eq!(
+                (
+                    profile.volume_path.as_deref(),
+                    profile.mount_path.as_str(),
+                    profile.home_path.as_str()
+                ),
+                (Some("/session"), "/session/workspace", "/session/home"),
+                "{storage}"
+            );
+        }
+        // Written out as they are: accepted.
+        WorkerProfile::from_toml(
+            NAME,
+            "1",
+            &format!(
+                "{MINIMAL}volume_path = \"/v\"\nmount_path = \"/v/workspace\"\nhome_path = \"/v/home\"\n"
+            ),
+        )
+        .expect("valid");
+        assert_refused(
+            "volume_path = \"/session\"\nmount_path = \"/workspace\"\n",
+            "profile/isolated-worker.mount_path",
+            "\"/session/workspace\"",
+        );
+        assert_refused(
+            "volume_path = \"/session\"\nhome_path = \"/session/agent\"\n",
+            "profile/isolated-worker.home_path",
+            "\"/session/home\"",
+        );
+        assert_refused(
+            "volume_path = \"/session\"\n[storage]\nkind = \"borrowed\"\nclaim = \"shared\"\n",
+            "profile/isolated-worker.volume_path",
+            "other sessions' directories",
+        );
+        assert_refused(
+            "volume_path = \"/\"\n",
+            "profile/isolated-worker.volume_path",
+            "normalized",
+        );
+        assert_refused(
+            "volume_path = \"/session\"\n[[skills]]\nname = \"s\"\nmount_path = \"/session/skills\"\nconfig_map = \"c\"\n",
+            "profile/isolated-worker.skills.mount_path",
+            "overlaps volume_path",
+        );
     }
 
     #[test]

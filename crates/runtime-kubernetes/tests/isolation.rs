@@ -1,7 +1,7 @@
 //! The RFC's isolation acceptance test between two real worker Pods: sentinel files in A's
 //! workspace and HOME and a local-only git ref, probed from a shell inside B's container (and the
-//! reverse), and writes to the shared read-only skills refused. Over each reach, and in the real
-//! agent image.
+//! reverse), and writes to the shared read-only skills refused. Over each reach, in the real
+//! agent image, and with volumes mounted whole.
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test isolation -- --ignored`.
@@ -16,7 +16,8 @@ use test_cluster::TestCluster;
 
 const SKILL: &str = "# A shared skill\nRead-only for every session.\n";
 
-async fn isolation(reach: Reach, installation: &str, image: &str) {
+/// The suite between two workers of `image` whose profile adds the top-level `keys`.
+async fn isolation(reach: Reach, installation: &str, image: &str, keys: &str) {
     let cluster = TestCluster::connect().await;
     let skills = AdminObject::install(
         &cluster,
@@ -27,7 +28,7 @@ async fn isolation(reach: Reach, installation: &str, image: &str) {
     // The test node's containerd 1.6 cannot mount recursively read-only (containerd 2 can), and
     // the default, "recursive", refuses to start such a worker rather than degrade silently.
     let profile_text = format!(
-        "skills_read_only = \"if-possible\"\n{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        "skills_read_only = \"if-possible\"\n{keys}{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
         WORKER_PROFILE.replace("openab.dev/worker:test", image),
         skills.name()
     );
@@ -50,13 +51,13 @@ async fn isolation(reach: Reach, installation: &str, image: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn two_worker_pods_cannot_touch_each_other_over_exec() {
-    isolation(Reach::Exec, "isolation-exec", "openab.dev/worker:test").await;
+    isolation(Reach::Exec, "isolation-exec", "openab.dev/worker:test", "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn two_worker_pods_cannot_touch_each_other_over_the_pod_ip() {
-    isolation(Reach::PodIp, "isolation-pod-ip", "openab.dev/worker:test").await;
+    isolation(Reach::PodIp, "isolation-pod-ip", "openab.dev/worker:test", "").await;
 }
 
 /// The same between two workers of deploy/worker/Dockerfile's image (Debian, Node, git, Python
@@ -70,6 +71,21 @@ async fn two_workers_of_the_real_agent_image_cannot_touch_each_other() {
         Reach::PodIp,
         "isolation-agent-image",
         "openab.dev/agent-worker-probe:test",
+        "",
+    )
+    .await;
+}
+
+/// The same between two workers whose volumes of their own are mounted whole
+/// (`volume_path`): each sees its whole volume, and nothing of the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_workers_with_their_volumes_mounted_whole_cannot_touch_each_other() {
+    isolation(
+        Reach::PodIp,
+        "isolation-whole-volume",
+        "openab.dev/worker:test",
+        "volume_path = \"/session\"\n",
     )
     .await;
 }

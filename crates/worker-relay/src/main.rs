@@ -78,6 +78,11 @@ struct Serve {
     /// The agent's working directory (default: the current directory).
     #[arg(long)]
     workdir: Option<PathBuf>,
+    /// A directory to make (as `prepare` does) before the relay listens, so that a worker whose
+    /// volume is mounted whole makes its session's directories itself, owned by its user, with
+    /// no init container (repeatable).
+    #[arg(long = "make-dir", value_name = "DIR")]
+    make_dirs: Vec<PathBuf>,
     /// Bound of unacknowledged agent output kept for replay, in bytes.
     #[arg(long, default_value_t = worker_relay::server::DEFAULT_REPLAY_BYTES)]
     replay_bytes: usize,
@@ -122,7 +127,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(serve) => run_serve(*serve).await,
             Command::Connect { addr } => run_connect(addr).await,
-            Command::Prepare { dirs } => run_prepare(&dirs),
+            Command::Prepare { dirs } => prepare(&dirs).unwrap_or(0),
         }
     });
     runtime.shutdown_timeout(Duration::from_millis(100));
@@ -140,13 +145,13 @@ fn init_logging() {
         .init();
 }
 
-fn run_prepare(dirs: &[PathBuf]) -> i32 {
-    for dir in dirs {
-        if let Err(error) = make_private_dir(dir) {
-            return fail(&format!("prepare {}: {error}", dir.display()));
-        }
-    }
-    0
+/// Makes each of `dirs` (see [`make_private_dir`]); the exit code of the first failure.
+fn prepare(dirs: &[PathBuf]) -> Option<i32> {
+    dirs.iter().find_map(|dir| {
+        make_private_dir(dir)
+            .err()
+            .map(|error| fail(&format!("prepare {}: {error}", dir.display())))
+    })
 }
 
 /// Creates `dir` (and missing parents); the last component gets mode 0700. An existing directory
@@ -262,6 +267,9 @@ async fn run_serve(serve: Serve) -> i32 {
         Ok(Err(why)) => return fail(&format!("{TOKEN_HASH_ENV}: {why}")),
         Err(_) => return fail(&format!("{TOKEN_HASH_ENV} is not set")),
     };
+    if let Some(code) = prepare(&serve.make_dirs) {
+        return code;
+    }
     let relay = match Relay::new(relay_config(&serve, session, generation, token_hash)) {
         Ok(relay) => relay,
         Err(error) => return fail(&error.to_string()),

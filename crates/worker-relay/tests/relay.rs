@@ -624,6 +624,68 @@ fn prepare_makes_private_session_directories() {
     );
 }
 
+/// `serve --make-dir` makes the session's directories before the relay listens (a worker whose
+/// volume is mounted whole needs no init container); one it cannot make ends it before it
+/// listens, naming the directory.
+#[test]
+fn serve_makes_its_directories_before_it_listens() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().expect("a temporary directory");
+    let workspace = root.path().join("volume/workspace");
+    let home = root.path().join("volume/home");
+    let serve = |dirs: &[&std::path::Path]| {
+        let mut command = std::process::Command::new(RELAY);
+        command
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--session",
+                "s",
+                "--generation",
+                "1",
+            ])
+            .env("OAB_RELAY_TOKEN_SHA256", "00".repeat(32))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for dir in dirs {
+            command.arg("--make-dir").arg(dir);
+        }
+        command.args(["--", "/bin/cat"]).spawn().expect("run the relay")
+    };
+    let mut relay = serve(&[&workspace, &home]);
+    let mut line = String::new();
+    std::io::BufReader::new(relay.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the relay's first line");
+    let made: Vec<Option<u32>> = [&workspace, &home]
+        .iter()
+        .map(|dir| {
+            std::fs::metadata(dir)
+                .ok()
+                .map(|m| m.permissions().mode() & 0o777)
+        })
+        .collect();
+    let _ = relay.kill();
+    let _ = relay.wait();
+    assert!(line.contains("listening on"), "{line:?}");
+    assert_eq!(made, [Some(0o700), Some(0o700)]);
+
+    let blocked = root.path().join("file");
+    std::fs::write(&blocked, b"").expect("a file");
+    let output = serve(&[&blocked]).wait_with_output().expect("the relay ends");
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).contains("listening"),
+        "{output:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains(&blocked.display().to_string()),
+        "{output:?}"
+    );
+}
+
 /// A connector that is refused the same way every time.
 #[derive(Debug)]
 struct Refused(worker_relay::Refusal);
