@@ -17,7 +17,8 @@
 //! relay_port = 7780                           # default 7780
 //! mount_path = "/workspace"                   # default "/workspace"
 //! home_path = "/home/agent"                   # default "/home/agent"
-//! # volume_path = "/session"                  # see WorkerProfile::volume_path; default none
+//! # volume_path = "/session"   # a volume of its own mounted whole, with mount_path and home_path
+//!                              # in it and no init container: see WorkerProfile::volume_path
 //! runtime_class = "gvisor"                    # default: the cluster's default runtime
 //! egress = ["10.0.0.0/8", "fd00::/8"]         # default: none
 //! egress_gateway = "openab-egress-gateway:3128" # the egress gateway's Service as workers reach it
