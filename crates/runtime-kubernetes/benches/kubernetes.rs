@@ -1,14 +1,16 @@
 //! The Kubernetes runtime's figures, against the test cluster (`scripts/cluster up`, then
 //! `eval "$(scripts/cluster env)"` and `cargo bench -p runtime-kubernetes --bench kubernetes`):
 //!
-//! 1. API requests of one lifecycle (create, attach, suspend, attach, close), counted by kind.
+//! 1. API requests of a lifecycle (create, attach, suspend, attach, close), counted by kind: the
+//!    process's first, then its second (what every later one costs).
 //! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
 //!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
 //!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
 //!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it; and a
 //!    resume (attach after suspend) of the same session, whose worker needs no init container;
-//!    then the same with the volume mounted whole (`volume_path`), which needs none at all.
-//!    Medians and p95 of 20.
+//!    then the same with the volume mounted whole (`volume_path`), which needs none at all; and
+//!    both with ephemeral storage (no provisioner; subPaths need the init container on every
+//!    start). Medians and p95 of 20.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //! 4. On the real node: 30 sessions at once (`OAB_BENCH_CONCURRENT` changes the number), each a
@@ -100,18 +102,21 @@ async fn run() {
     maps.create(&PostParams::default(), &volume_profile)
         .await
         .expect("the profile with a volume");
-    // The same with the volume mounted whole (`volume_path`): no init container.
+    // The same with the volume mounted whole (`volume_path`): no init container; and both
+    // with ephemeral storage, where no provisioner takes part.
     let whole_volume = format!("{installation}-whole");
-    let whole_profile = profile(
-        &whole_volume,
-        &format!(
-            "volume_path = \"/session\"\n{}",
-            WORKER.replace(EPHEMERAL, PER_SESSION)
-        ),
-    );
-    maps.create(&PostParams::default(), &whole_profile)
+    let whole_ephemeral = format!("{installation}-whole-ephemeral");
+    for (name, document) in [
+        (&whole_volume, WORKER.replace(EPHEMERAL, PER_SESSION)),
+        (&whole_ephemeral, WORKER.to_owned()),
+    ] {
+        maps.create(
+            &PostParams::default(),
+            &profile(name, &format!("volume_path = \"/session\"\n{document}")),
+        )
         .await
-        .expect("the profile with a volume mounted whole");
+        .expect("a profile with the volume mounted whole");
+    }
     let faults = Faults::new();
     let build = |profile: &str| {
         let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile);
@@ -140,13 +145,13 @@ async fn run() {
         requests_per_lifecycle(&runtime, &faults, &installation).await;
     }
     if part("2") {
-        attach_against_a_bare_pod(
-            &cluster,
-            &build(&with_volume),
-            &build(&whole_volume),
-            &installation,
-        )
-        .await;
+        let layouts = [
+            ("a claim each, subPaths + init container", build(&with_volume)),
+            ("a claim each, mounted whole", build(&whole_volume)),
+            ("ephemeral, subPaths + init container", build(&installation)),
+            ("ephemeral, mounted whole", build(&whole_ephemeral)),
+        ];
+        attach_against_a_bare_pod(&cluster, &layouts, &installation).await;
     }
     if part("3") {
         reconcile_over_many_anchors(&cluster, &runtime, &faults, &installation).await;
@@ -166,7 +171,13 @@ async fn run() {
     if part("5") {
         real_agent_against_a_bare_pod(&cluster, &build(&real_agent), &installation).await;
     }
-    for name in [&installation, &with_volume, &whole_volume, &real_agent] {
+    for name in [
+        &installation,
+        &with_volume,
+        &whole_volume,
+        &whole_ephemeral,
+        &real_agent,
+    ] {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
 }
@@ -209,35 +220,40 @@ fn writes(counts: &BTreeMap<String, usize>) -> usize {
 }
 
 async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, installation: &str) {
-    let identity = SessionIdentity::new(installation, "agent", "bench", "lifecycle").expect("identity");
-    let id = identity.id();
-    println!("API requests of one lifecycle (ephemeral storage, Pod IP reach):");
-    println!("  {:<10} {:>5} {:>7}  by kind", "phase", "all", "writes");
-    let mut total = 0;
-    let mut total_writes = 0;
-    for phase in ["create", "attach", "suspend", "attach", "close"] {
-        faults.clear_requests();
-        match phase {
-            "create" => drop(
-                runtime
-                    .create(&identity, &CreateOptions::new())
-                    .await
-                    .expect("create"),
-            ),
-            "attach" => {
-                let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
-                client.initialize().await.expect("initialize");
+    // The first lifecycle of a process also pays what a process does once (the profile's egress
+    // policy, the start of its shared watch); the second is what every later one costs.
+    for lifecycle in ["first", "second"] {
+        let identity = SessionIdentity::new(installation, "agent", "bench", format!("lifecycle {lifecycle}"))
+            .expect("identity");
+        let id = identity.id();
+        println!("API requests of the process's {lifecycle} lifecycle (ephemeral storage, Pod IP reach):");
+        println!("  {:<10} {:>5} {:>7}  by kind", "phase", "all", "writes");
+        let mut total = 0;
+        let mut total_writes = 0;
+        for phase in ["create", "attach", "suspend", "attach", "close"] {
+            faults.clear_requests();
+            match phase {
+                "create" => drop(
+                    runtime
+                        .create(&identity, &CreateOptions::new())
+                        .await
+                        .expect("create"),
+                ),
+                "attach" => {
+                    let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+                    client.initialize().await.expect("initialize");
+                }
+                "suspend" => runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend"),
+                _ => runtime.close(&id, CloseReason::Reset).await.expect("close"),
             }
-            "suspend" => runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend"),
-            _ => runtime.close(&id, CloseReason::Reset).await.expect("close"),
+            let counts = kinds(&faults.requests());
+            let all: usize = counts.values().sum();
+            total += all;
+            total_writes += writes(&counts);
+            println!("  {phase:<10} {all:>5} {:>7}  {counts:?}", writes(&counts));
         }
-        let counts = kinds(&faults.requests());
-        let all: usize = counts.values().sum();
-        total += all;
-        total_writes += writes(&counts);
-        println!("  {phase:<10} {all:>5} {:>7}  {counts:?}", writes(&counts));
+        println!("  {:<10} {total:>5} {total_writes:>7}", "total");
     }
-    println!("  {:<10} {total:>5} {total_writes:>7}", "total");
     println!(
         "  (each wait for a Pod to start or stop is a watch: one list and one watch request, `list pods`)"
     );
@@ -311,18 +327,18 @@ async fn new_session_and_resume(
     [attached, first, resume]
 }
 
-/// Part 2: `subpaths` mounts the workspace and HOME as subPaths (an init container makes them
-/// on a new volume); `whole` mounts the volume whole (`volume_path`: the relay makes them).
+/// Part 2, for each of `layouts` (a label and a runtime whose profile has that storage and
+/// layout: subPaths, where an init container makes the directories on a volume that may lack
+/// them, or the volume mounted whole with `volume_path`, where the relay makes them).
 async fn attach_against_a_bare_pod(
     cluster: &TestCluster,
-    subpaths: &KubernetesRuntime,
-    whole: &KubernetesRuntime,
+    layouts: &[(&str, KubernetesRuntime)],
     installation: &str,
 ) {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let mut bare = Vec::new();
     let mut shaped = Vec::new();
-    let mut layouts: [[Vec<Duration>; 3]; 2] = Default::default();
+    let mut figures: Vec<[Vec<Duration>; 3]> = layouts.iter().map(|_| Default::default()).collect();
     // Interleaved, so a machine that slows down mid-run slows all alike.
     for sample in 0..SAMPLES {
         let pod = restricted_pod(
@@ -344,10 +360,10 @@ async fn attach_against_a_bare_pod(
             spec.init_containers = Some(vec![init]);
         }
         shaped.push(bare_pod_to_ready(&pods, pod).await);
-        for (layout, runtime) in [subpaths, whole].into_iter().enumerate() {
-            let figures =
-                new_session_and_resume(runtime, installation, &format!("attach-{layout}-{sample}")).await;
-            for (samples, figure) in layouts[layout].iter_mut().zip(figures) {
+        for (layout, (_, runtime)) in layouts.iter().enumerate() {
+            let name = format!("attach-{layout}-{sample}");
+            let sampled = new_session_and_resume(runtime, installation, &name).await;
+            for (samples, figure) in figures[layout].iter_mut().zip(sampled) {
                 samples.push(figure);
             }
         }
@@ -361,13 +377,10 @@ async fn attach_against_a_bare_pod(
         println!("  {label:<28} min {min:>9.1?}  median {median:>9.1?}  p95 {p95:>9.1?}  max {max:>9.1?}");
         median
     };
-    println!("a new session (a volume of its own) to its first ACP reply, and its resume, against a bare Pod of the same image to Ready ({SAMPLES} each):");
+    println!("a new session to its first ACP reply, and its resume, against a bare Pod of the same image to Ready ({SAMPLES} each):");
     let bare_median = row("bare Pod", &bare);
     let shaped_median = row("bare Pod, init + main", &shaped);
-    for (label, [attached, first, resume]) in [
-        ("subPaths + init container", &layouts[0]),
-        ("volume mounted whole", &layouts[1]),
-    ] {
+    for ((label, _), [attached, first, resume]) in layouts.iter().zip(&figures) {
         println!(" {label}:");
         row("attach returned", attached);
         let first = row("first ACP reply", first);

@@ -221,7 +221,7 @@ pub(crate) async fn session(
     }
     match record.state() {
         SessionState::Closing => {
-            runtime.finish_close(id, record).await?;
+            runtime.finish_close(id, (anchor.clone(), record)).await?;
             report.finished_closes.push(*id);
             note(runtime, id, "finished an interrupted close".to_owned()).await;
             return Ok(());
@@ -482,7 +482,7 @@ async fn finish_deletion(
     let closed_now = match record.state() {
         SessionState::Closed => false,
         SessionState::Closing => {
-            runtime.finish_close(id, record.clone()).await?;
+            runtime.finish_close(id, (anchor.clone(), record.clone())).await?;
             true
         }
         _ => {

@@ -328,6 +328,8 @@ struct Live {
     control: Arc<dyn WorkerControl>,
     /// Renews the anchor while the attachment lives, so `reconcile` does not count it idle.
     renewal: tokio::task::AbortHandle,
+    /// The stop grace of the profile the worker was started with.
+    termination_grace: Duration,
 }
 
 impl Drop for Live {
@@ -355,6 +357,14 @@ pub(crate) enum Retired {
     Stopped,
     /// The relay did not answer in time.
     Unanswered,
+}
+
+/// What a watch of the worker Pod saw.
+enum Watched {
+    /// The condition was met: by the Pod as it then was, or by its absence.
+    Met(Option<Box<Pod>>),
+    /// Not within the time given, or the watch failed.
+    Unknown,
 }
 
 /// Why a compare-and-swap did not land.
@@ -560,12 +570,30 @@ impl KubernetesRuntime {
 
     /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
     /// with a fresh read. `change` returns `Ok(None)` when there is nothing to write.
-    pub(crate) async fn update<F>(&self, id: &SessionId, mut change: F) -> Result<(OabSession, SessionRecord)>
+    pub(crate) async fn update<F>(&self, id: &SessionId, change: F) -> Result<(OabSession, SessionRecord)>
+    where
+        F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
+    {
+        self.update_from(id, None, change).await
+    }
+
+    /// [`update`](Self::update), starting from `read` (the anchor and record the caller read
+    /// last) instead of reading it again: if it is stale, the swap is lost and the next attempt
+    /// reads afresh, so this saves a request and gives up nothing.
+    pub(crate) async fn update_from<F>(
+        &self,
+        id: &SessionId,
+        mut read: Option<(OabSession, SessionRecord)>,
+        mut change: F,
+    ) -> Result<(OabSession, SessionRecord)>
     where
         F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
     {
         for _ in 0..CAS_ATTEMPTS {
-            let (anchor, record) = self.load_existing(id).await?;
+            let (anchor, record) = match read.take() {
+                Some(read) => read,
+                None => self.load_existing(id).await?,
+            };
             let Some(next) = change(&record)? else {
                 return Ok((anchor, record));
             };
@@ -758,13 +786,20 @@ impl KubernetesRuntime {
     /// it is a newer worker another broker started meanwhile, not the one deleted.
     async fn await_gone(&self, id: &SessionId, pod: &Pod) -> Result<()> {
         let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
+        let uid = pod.uid().unwrap_or_default();
         loop {
+            // The watch's list says at once if it is gone already.
+            let now = tokio::time::Instant::now();
+            let gone = kube::runtime::wait::conditions::is_deleted(&uid);
+            if let Watched::Met(_) = self.watch_worker(id, deadline - now, gone).await {
+                return Ok(());
+            }
+            // Not within the slice, or the watch failed: a read says.
             match self.worker(id).await? {
                 Some(current) if current.uid() == pod.uid() => {}
                 _ => return Ok(()),
             }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
+            if tokio::time::Instant::now() >= deadline {
                 return Err(Error::Backend {
                     runtime: RUNTIME,
                     retryable: true,
@@ -775,29 +810,24 @@ impl KubernetesRuntime {
                     source: None,
                 });
             }
-            let uid = pod.uid().unwrap_or_default();
-            self.watch_worker(
-                id,
-                deadline - now,
-                kube::runtime::wait::conditions::is_deleted(&uid),
-            )
-            .await;
         }
     }
 
-    /// Waits until the worker Pod meets `condition` (a watch: no polling), at most `limit`, so
-    /// the caller reads it again at once when it changed. A watch that cannot be opened costs one
-    /// poll interval instead.
+    /// Waits until the worker Pod meets `condition` (a watch: no polling), at most `limit`
+    /// (and one watch slice). A watch that cannot be opened costs one poll interval instead.
     async fn watch_worker(
         &self,
         id: &SessionId,
         limit: Duration,
         condition: impl kube::runtime::wait::Condition<Pod> + Send + Sync,
-    ) {
+    ) -> Watched {
         let limit = limit.min(WATCH_SLICE);
         let pods = match self.pods().await {
             Ok(pods) => pods.clone(),
-            Err(_) => return tokio::time::sleep(POLL.min(limit)).await,
+            Err(_) => {
+                tokio::time::sleep(POLL.min(limit)).await;
+                return Watched::Unknown;
+            }
         };
         let name = names::worker(id);
         match tokio::time::timeout(
@@ -806,10 +836,12 @@ impl KubernetesRuntime {
         )
         .await
         {
-            Ok(Ok(_)) | Err(_) => {}
+            Ok(Ok(pod)) => Watched::Met(pod.map(Box::new)),
+            Err(_) => Watched::Unknown,
             Ok(Err(error)) => {
                 tracing::debug!(session = %id, "watching the worker failed; polling: {error}");
                 tokio::time::sleep(POLL.min(limit)).await;
+                Watched::Unknown
             }
         }
     }
@@ -852,8 +884,17 @@ impl KubernetesRuntime {
         // of the old record's generation is not this one's. Another broker may put an older Pod
         // back between our delete and our create, so this repeats.
         let mut adopted = false;
-        for _ in 0..CAS_ATTEMPTS {
-            if let Some(previous) = self.worker(id).await? {
+        // What is known of the Pod without reading it: the created one as the API server
+        // returned it, or one a watch saw meet its condition.
+        let mut seen: Option<Pod> = None;
+        for attempt in 0..CAS_ATTEMPTS {
+            // The first attempt creates at once: a suspended session's worker is gone (suspend
+            // waits for that), so a Pod in the way is the exception, which the conflict shows.
+            let previous = match attempt {
+                0 => None,
+                _ => self.worker(id).await?,
+            };
+            if let Some(previous) = previous {
                 let ours = previous.metadata.deletion_timestamp.is_none()
                     && previous
                         .owner_references()
@@ -874,7 +915,8 @@ impl KubernetesRuntime {
                 }
             }
             match self.pods().await?.create(&PostParams::default(), &pod).await {
-                Ok(_) => {
+                Ok(created) => {
+                    seen = Some(created);
                     adopted = true;
                     break;
                 }
@@ -916,7 +958,11 @@ impl KubernetesRuntime {
         let placement_deadline = began + profile.unschedulable_timeout.unwrap_or(self.start_timeout);
         let mut unschedulable: Option<String>;
         loop {
-            let Some(pod) = self.worker(id).await? else {
+            let pod = match seen.take() {
+                Some(pod) => Some(pod),
+                None => self.worker(id).await?,
+            };
+            let Some(pod) = pod else {
                 // Deleted while it started: by a broker that attached after this one (fenced), or
                 // by someone else (try again).
                 let (_, latest) = self.load_existing(id).await?;
@@ -955,8 +1001,15 @@ impl KubernetesRuntime {
                         || matches!(progress(pod), Progress::Ready | Progress::Failed(_))
                 })
             };
-            self.watch_worker(id, wait_until.saturating_duration_since(now), started)
-                .await;
+            if let Watched::Met(Some(pod)) = self
+                .watch_worker(id, wait_until.saturating_duration_since(now), started)
+                .await
+            {
+                if !names::belongs_to(&pod.metadata, id) {
+                    return Err(foreign(id, "worker Pod", &names::worker(id)));
+                }
+                seen = Some(*pod);
+            }
         }
     }
 
@@ -985,7 +1038,7 @@ impl KubernetesRuntime {
 
     async fn attach_locked(&self, id: &SessionId) -> Result<Attachment> {
         let started = Instant::now();
-        let (_, current) = self.load_existing(id).await?;
+        let (loaded, current) = self.load_existing(id).await?;
         if current.phase == Phase::Provisioning {
             return Err(retry_later(
                 id,
@@ -998,8 +1051,11 @@ impl KubernetesRuntime {
             }
         }
         let profile = self.profile().await?;
+        let mut read = Some((loaded, current));
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
         if reusable {
+            // It reads the anchor itself.
+            read = None;
             if let Some((attachment, generation)) = self.take_over(id, &profile).await? {
                 telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
                 self.publish(
@@ -1015,7 +1071,7 @@ impl KubernetesRuntime {
         let mut generation = 0;
         let mut before = None;
         let (anchor, record) = self
-            .update(id, |record| {
+            .update_from(id, read, |record| {
                 let state = record.state();
                 if record.phase == Phase::Provisioning || !state.can_attach() {
                     return Err(Error::InvalidState {
@@ -1118,7 +1174,7 @@ impl KubernetesRuntime {
         telemetry::worker_ready(RUNTIME, start, starting.elapsed());
         // Another broker may have taken a newer generation, or suspended or closed the session,
         // while this one started: then this worker must not serve.
-        let (_, latest) = self.load_existing(id).await?;
+        let (latest_anchor, latest) = self.load_existing(id).await?;
         if latest.generation != generation {
             return Err(fenced(id, generation, latest.generation));
         }
@@ -1138,7 +1194,8 @@ impl KubernetesRuntime {
                     &format!("the worker was ready but its relay did not answer within {CONNECT_TIMEOUT:?}"),
                 )
             })??;
-        self.record_served(id, generation, &pod).await;
+        self.record_served(id, generation, &pod, (latest_anchor, latest))
+            .await;
         Ok(attachment)
     }
 
@@ -1147,9 +1204,16 @@ impl KubernetesRuntime {
     /// answered, so its `prepare` step ran), and no start failure. A failure to record only
     /// costs the next worker its init container, or this one a `reconcile` that takes it for
     /// abandoned once the start timeout has passed twice over; it is logged.
-    async fn record_served(&self, id: &SessionId, generation: Generation, pod: &Pod) {
+    /// `read` is the anchor and record as last read.
+    async fn record_served(
+        &self,
+        id: &SessionId,
+        generation: Generation,
+        pod: &Pod,
+        read: (OabSession, SessionRecord),
+    ) {
         let recorded = self
-            .update(id, |record| {
+            .update_from(id, Some(read), |record| {
                 let Some(worker) = record.worker.as_ref().filter(|_| record.generation == generation) else {
                     return Ok(None);
                 };
@@ -1244,6 +1308,7 @@ impl KubernetesRuntime {
             fence: trigger,
             control: attachment.control(),
             renewal,
+            termination_grace: profile.termination_grace,
         };
         self.live.lock().insert(*id, live);
         Ok(attachment)
@@ -1330,8 +1395,11 @@ impl KubernetesRuntime {
                 }
             })
             .await?;
-        let grace = match reason {
-            SuspendReason::Hung => Duration::ZERO,
+        // The grace of the profile this process started the worker with, else the profile's now.
+        let started_with = self.live.lock().get(id).map(|live| live.termination_grace);
+        let grace = match (reason, started_with) {
+            (SuspendReason::Hung, _) => Duration::ZERO,
+            (_, Some(grace)) => grace,
             _ => self
                 .profile()
                 .await
@@ -1350,9 +1418,9 @@ impl KubernetesRuntime {
     }
 
     pub(crate) async fn close_locked(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
-        if self.load(id).await?.is_none() {
+        let Some(read) = self.load(id).await? else {
             return Ok(());
-        }
+        };
         // The retention intent is part of the recorded close, decided once by the first reason.
         // A profile that is missing or invalid has no say; one that could not be read might have
         // said "retain", so the close waits for it (nothing is recorded yet).
@@ -1364,8 +1432,8 @@ impl KubernetesRuntime {
             Err(Error::InvalidConfig { .. }) => self.retention.clone(),
             Err(error) => return Err(error),
         };
-        let (_, record) = self
-            .update(id, |record| {
+        let (anchor, record) = self
+            .update_from(id, Some(read), |record| {
                 if record.close.is_some() {
                     return Ok(None);
                 }
@@ -1387,11 +1455,13 @@ impl KubernetesRuntime {
         let _ = self
             .retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
-        self.finish_close(id, record).await
+        self.finish_close(id, (anchor, record)).await
     }
 
     /// The steps after a recorded close: compute, then storage, then the closed record.
-    pub(crate) async fn finish_close(&self, id: &SessionId, record: SessionRecord) -> Result<()> {
+    /// `read` is the anchor and record as last read.
+    pub(crate) async fn finish_close(&self, id: &SessionId, read: (OabSession, SessionRecord)) -> Result<()> {
+        let record = read.1.clone();
         let Some(close) = record.close else {
             return Ok(());
         };
@@ -1411,7 +1481,7 @@ impl KubernetesRuntime {
         }
         let incarnation = record.incarnation;
         let mut closed = false;
-        self.update(id, |current| {
+        self.update_from(id, Some(read), |current| {
             // Another broker may have finished this close and started the next session.
             if current.incarnation != incarnation || current.state() != SessionState::Closing {
                 return Ok(None);
@@ -1529,7 +1599,7 @@ impl KubernetesRuntime {
                     let record = self.provision(&id, anchor, record).await?;
                     return Ok(SessionHandle::new(id, record.state(), record.generation, true));
                 }
-                Phase::Session(SessionState::Closing) => self.finish_close(&id, record).await?,
+                Phase::Session(SessionState::Closing) => self.finish_close(&id, (anchor, record)).await?,
                 Phase::Session(SessionState::Closed) => {
                     // A new session under the same id: generations keep growing, and the new
                     // incarnation gets a volume of its own.
