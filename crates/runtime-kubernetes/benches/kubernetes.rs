@@ -255,7 +255,7 @@ async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, in
         println!("  {:<10} {total:>5} {total_writes:>7}", "total");
     }
     println!(
-        "  (each wait for a Pod to start or stop is a watch: one list and one watch request, `list pods`)"
+        "  (a wait for a Pod to start or stop uses the broker's one watch of its workers: its list and watch requests, `list pods`, come once per process)"
     );
 }
 

@@ -3,12 +3,15 @@
 //! delete, an eviction, the Pod GC after its node was removed) or failed, so the attachment ends
 //! with that cause at once instead of after the relay client's reconnect budget.
 //!
+//! The same watch keeps what it saw of each worker Pod ([`WorkerWatch::observe`]), so a broker
+//! waiting for its worker to start or to go waits on it instead of opening a watch of its own.
+//!
 //! A graceful end needs none of this: the relay reports the agent's exit before its Pod goes, and
 //! an attachment that has ended stops listening. A node that only stops answering keeps its Pods
 //! until the node controller evicts them; until then the reconnect budget is what ends the
 //! attachment.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 
@@ -24,13 +27,29 @@ use tokio::task::AbortHandle;
 
 use crate::start::{progress, Progress};
 
-/// The shared watch, started by the first attachment that asks.
+/// How many deleted Pods' UIDs the watch remembers (see [`Observed::Absent`]).
+const REMEMBERED_DELETIONS: usize = 4096;
+
+/// The shared watch, started by the first attachment or wait that asks.
 #[derive(Debug)]
 pub(crate) struct WorkerWatch {
     pods: Api<Pod>,
     selector: String,
     state: Arc<Mutex<Watched>>,
+    /// Counts the events applied: a waiter looks again whenever it moves.
+    changes: tokio::sync::watch::Sender<u64>,
     task: std::sync::OnceLock<AbortHandle>,
+}
+
+/// A worker Pod as the shared watch last saw it.
+#[derive(Debug, Clone)]
+pub(crate) enum Observed {
+    /// The Pod of that name (whichever UID it has).
+    Pod(Box<Pod>),
+    /// No Pod of that name. `deleted`: the Pod with the UID asked about was seen deleted (or
+    /// missing from a relist after it had been seen); otherwise the watch may not have seen it
+    /// yet (it was created a moment ago), so absence alone proves nothing.
+    Absent { deleted: bool },
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +61,12 @@ struct Watched {
     round: u64,
     /// The UIDs the list in progress has shown.
     listed: HashSet<String>,
+    /// The Pods by name, once the first list is done.
+    pods: Option<HashMap<String, Pod>>,
+    /// The Pods the list in progress has shown, by name.
+    listing: HashMap<String, Pod>,
+    /// The UIDs of Pods seen deleted, the oldest first.
+    deleted: VecDeque<String>,
 }
 
 #[derive(Debug)]
@@ -75,14 +100,45 @@ impl Watched {
             Event::Init => {
                 self.round += 1;
                 self.listed.clear();
+                self.listing.clear();
             }
             Event::InitApply(pod) => {
                 self.listed.insert(pod.uid().unwrap_or_default());
                 self.applied(&pod);
+                self.listing.insert(pod.name_any(), pod);
             }
-            Event::Apply(pod) => self.applied(&pod),
-            Event::Delete(pod) => self.tell(&pod.uid().unwrap_or_default(), deleted),
+            Event::Apply(pod) => {
+                self.applied(&pod);
+                if let Some(pods) = self.pods.as_mut() {
+                    pods.insert(pod.name_any(), pod);
+                }
+            }
+            Event::Delete(pod) => {
+                let uid = pod.uid().unwrap_or_default();
+                self.tell(&uid, deleted);
+                if let Some(pods) = self.pods.as_mut() {
+                    if pods
+                        .get(&pod.name_any())
+                        .is_some_and(|known| known.uid() == pod.uid())
+                    {
+                        pods.remove(&pod.name_any());
+                    }
+                }
+                self.remember_deleted(uid);
+            }
             Event::InitDone => {
+                let listing = std::mem::take(&mut self.listing);
+                let missing: Vec<String> = self
+                    .pods
+                    .iter()
+                    .flat_map(HashMap::values)
+                    .filter_map(|pod| pod.uid())
+                    .filter(|uid| !self.listed.contains(uid))
+                    .collect();
+                for uid in missing {
+                    self.remember_deleted(uid);
+                }
+                self.pods = Some(listing);
                 let round = self.round;
                 let gone: Vec<String> = self
                     .listeners
@@ -98,6 +154,25 @@ impl Watched {
         }
         // Attachments that ended stopped listening.
         self.listeners.retain(|_, listener| !listener.tell.is_closed());
+    }
+
+    fn remember_deleted(&mut self, uid: String) {
+        if self.deleted.len() == REMEMBERED_DELETIONS {
+            self.deleted.pop_front();
+        }
+        self.deleted.push_back(uid);
+    }
+
+    /// The Pod `name` as last seen, for a caller that knows it by `uid`; `None` before the
+    /// first list is done.
+    fn observe(&self, name: &str, uid: &str) -> Option<Observed> {
+        let pods = self.pods.as_ref()?;
+        Some(match pods.get(name) {
+            Some(pod) => Observed::Pod(Box::new(pod.clone())),
+            None => Observed::Absent {
+                deleted: self.deleted.iter().any(|gone| gone == uid),
+            },
+        })
     }
 
     fn applied(&mut self, pod: &Pod) {
@@ -120,8 +195,23 @@ impl WorkerWatch {
             pods,
             selector,
             state: Arc::default(),
+            changes: tokio::sync::watch::channel(0).0,
             task: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The worker Pod `name` as the watch last saw it, asked about by `uid` (see
+    /// [`Observed::Absent`]); `None` until the watch has listed the Pods once. Starts the watch.
+    pub(crate) fn observe(&self, name: &str, uid: &str) -> Option<Observed> {
+        self.start();
+        self.state.lock().observe(name, uid)
+    }
+
+    /// Moves whenever the watch applied an event: look again with [`observe`](Self::observe).
+    /// Starts the watch.
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.start();
+        self.changes.subscribe()
     }
 
     /// Resolves with the cause when `pod` (that Pod: by UID) is deleted or fails; never, if the
@@ -145,11 +235,15 @@ impl WorkerWatch {
             )
             .default_backoff();
             let state = Arc::clone(&self.state);
+            let changes = self.changes.clone();
             tokio::spawn(async move {
                 let mut stream = std::pin::pin!(stream);
                 while let Some(event) = stream.next().await {
                     match event {
-                        Ok(event) => state.lock().apply(event),
+                        Ok(event) => {
+                            state.lock().apply(event);
+                            changes.send_modify(|count| *count += 1);
+                        }
                         // The backoff retries; a relist afterwards catches what was missed.
                         Err(error) => tracing::debug!("watching worker Pods failed: {error}"),
                     }
@@ -222,6 +316,40 @@ mod tests {
         state.apply(Event::InitApply(pod("oab-w-c", "uid-c")));
         state.apply(Event::InitDone);
         assert!(kept.try_recv().is_err(), "listed again: still there");
+    }
+
+    fn observed_uid(state: &Watched, name: &str, uid: &str) -> Option<Result<String, bool>> {
+        state.observe(name, uid).map(|observed| match observed {
+            Observed::Pod(pod) => Ok(pod.uid().unwrap_or_default()),
+            Observed::Absent { deleted } => Err(deleted),
+        })
+    }
+
+    /// What a waiter sees: nothing before the first list; then each Pod by name; a deleted one
+    /// (or one a relist misses) absent and known deleted, one never seen absent and unknown.
+    #[test]
+    fn the_watch_keeps_what_it_saw_of_each_pod_and_which_were_deleted() {
+        let mut state = Watched::default();
+        state.apply(Event::Init);
+        state.apply(Event::InitApply(pod("oab-w-a", "uid-a")));
+        assert_eq!(observed_uid(&state, "oab-w-a", "uid-a"), None, "not listed yet");
+        state.apply(Event::InitDone);
+        assert_eq!(observed_uid(&state, "oab-w-a", "uid-a"), Some(Ok("uid-a".into())));
+        assert_eq!(
+            observed_uid(&state, "oab-w-b", "uid-b"),
+            Some(Err(false)),
+            "not seen: maybe not yet"
+        );
+        state.apply(Event::Apply(pod("oab-w-b", "uid-b")));
+        state.apply(Event::Delete(pod("oab-w-a", "uid-a")));
+        assert_eq!(observed_uid(&state, "oab-w-a", "uid-a"), Some(Err(true)));
+        // A namesake's deletion does not remove the Pod now under that name.
+        state.apply(Event::Delete(pod("oab-w-b", "uid-old")));
+        assert_eq!(observed_uid(&state, "oab-w-b", "uid-b"), Some(Ok("uid-b".into())));
+        // Missing from a relist: deleted while the watch was away.
+        state.apply(Event::Init);
+        state.apply(Event::InitDone);
+        assert_eq!(observed_uid(&state, "oab-w-b", "uid-b"), Some(Err(true)));
     }
 
     #[test]

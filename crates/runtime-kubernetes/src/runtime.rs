@@ -32,6 +32,7 @@ use crate::abandon::{AttachInFlight, Before, CONNECT_TIMEOUT};
 use crate::anchor::OabSession;
 use crate::api::{api_error, is_status};
 use crate::events::{SessionEvent, SessionEvents};
+use crate::loss::Observed;
 use crate::pod::{worker_pod, WorkerEgress, WorkerSpec};
 use crate::profile::{Storage, WorkerProfile};
 use crate::reach::ExecConnector;
@@ -790,8 +791,11 @@ impl KubernetesRuntime {
         loop {
             // The watch's list says at once if it is gone already.
             let now = tokio::time::Instant::now();
-            let gone = kube::runtime::wait::conditions::is_deleted(&uid);
-            if let Watched::Met(_) = self.watch_worker(id, deadline - now, gone).await {
+            let gone = |observed: &Observed| match observed {
+                Observed::Pod(current) => current.uid().as_deref() != Some(uid.as_str()),
+                Observed::Absent { deleted } => *deleted,
+            };
+            if let Watched::Met(_) = self.watch_worker(id, &uid, deadline - now, gone).await {
                 return Ok(());
             }
             // Not within the slice, or the watch failed: a read says.
@@ -813,35 +817,41 @@ impl KubernetesRuntime {
         }
     }
 
-    /// Waits until the worker Pod meets `condition` (a watch: no polling), at most `limit`
-    /// (and one watch slice). A watch that cannot be opened costs one poll interval instead.
+    /// Waits until `done` holds for the worker Pod as the broker's shared watch of its workers
+    /// sees it (asked about by `uid`: see [`Observed::Absent`]), at most `limit` and one watch
+    /// slice, so waiting costs no request. Until that watch has listed its Pods once, it waits
+    /// one poll interval at most and says nothing: the caller reads the Pod itself.
     async fn watch_worker(
         &self,
         id: &SessionId,
+        uid: &str,
         limit: Duration,
-        condition: impl kube::runtime::wait::Condition<Pod> + Send + Sync,
+        done: impl Fn(&Observed) -> bool,
     ) -> Watched {
         let limit = limit.min(WATCH_SLICE);
-        let pods = match self.pods().await {
-            Ok(pods) => pods.clone(),
-            Err(_) => {
-                tokio::time::sleep(POLL.min(limit)).await;
-                return Watched::Unknown;
-            }
+        let began = tokio::time::Instant::now();
+        let Ok(watch) = self.worker_watch().await else {
+            tokio::time::sleep(POLL.min(limit)).await;
+            return Watched::Unknown;
         };
         let name = names::worker(id);
-        match tokio::time::timeout(
-            limit,
-            kube::runtime::wait::await_condition(pods, &name, condition),
-        )
-        .await
-        {
-            Ok(Ok(pod)) => Watched::Met(pod.map(Box::new)),
-            Err(_) => Watched::Unknown,
-            Ok(Err(error)) => {
-                tracing::debug!(session = %id, "watching the worker failed; polling: {error}");
-                tokio::time::sleep(POLL.min(limit)).await;
-                Watched::Unknown
+        let mut changes = watch.changes();
+        loop {
+            changes.borrow_and_update();
+            let until = match watch.observe(&name, uid) {
+                Some(observed) if done(&observed) => {
+                    return Watched::Met(match observed {
+                        Observed::Pod(pod) => Some(pod),
+                        Observed::Absent { .. } => None,
+                    })
+                }
+                Some(_) => began + limit,
+                None => began + POLL.min(limit),
+            };
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            match tokio::time::timeout(left, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Watched::Unknown,
             }
         }
     }
@@ -995,14 +1005,17 @@ impl KubernetesRuntime {
                 deadline
             };
             // Until the Pod is ready, failed, gone or replaced.
-            let started = move |pod: Option<&Pod>| {
-                pod.is_none_or(|pod| {
-                    names::pod_generation(&pod.metadata) != Some(generation)
-                        || matches!(progress(pod), Progress::Ready | Progress::Failed(_))
-                })
+            let uid = pod.uid().unwrap_or_default();
+            let started = |observed: &Observed| match observed {
+                Observed::Pod(current) => {
+                    current.uid().as_deref() != Some(uid.as_str())
+                        || names::pod_generation(&current.metadata) != Some(generation)
+                        || matches!(progress(current), Progress::Ready | Progress::Failed(_))
+                }
+                Observed::Absent { deleted } => *deleted,
             };
             if let Watched::Met(Some(pod)) = self
-                .watch_worker(id, wait_until.saturating_duration_since(now), started)
+                .watch_worker(id, &uid, wait_until.saturating_duration_since(now), started)
                 .await
             {
                 if !names::belongs_to(&pod.metadata, id) {
@@ -1355,7 +1368,14 @@ impl KubernetesRuntime {
                 attached = &mut attach => return attached,
                 () = tokio::time::sleep(POLL) => {}
             }
-            match self.worker(id).await? {
+            // As the shared watch saw it, else (not listed yet, or not seen yet) as read.
+            let uid = pod.uid().unwrap_or_default();
+            let current = match self.worker_watch().await?.observe(&names::worker(id), &uid) {
+                Some(Observed::Pod(current)) => Some(*current),
+                Some(Observed::Absent { deleted: true }) => None,
+                Some(Observed::Absent { deleted: false }) | None => self.worker(id).await?,
+            };
+            match current {
                 Some(current) if current.uid() == pod.uid() => {
                     if let Progress::Failed(cause) = progress(&current) {
                         return Err(Error::WorkerFailed { id: *id, cause });
