@@ -59,8 +59,6 @@ struct Watched {
     /// Counts the watch's (re)lists; a listener is checked against a list only if it subscribed
     /// before that list began (its Pod then must be in it).
     round: u64,
-    /// The UIDs the list in progress has shown.
-    listed: HashSet<String>,
     /// The Pods by name, once the first list is done.
     pods: Option<HashMap<String, Pod>>,
     /// The Pods the list in progress has shown, by name.
@@ -99,11 +97,9 @@ impl Watched {
         match event {
             Event::Init => {
                 self.round += 1;
-                self.listed.clear();
                 self.listing.clear();
             }
             Event::InitApply(pod) => {
-                self.listed.insert(pod.uid().unwrap_or_default());
                 self.applied(&pod);
                 self.listing.insert(pod.name_any(), pod);
             }
@@ -128,12 +124,13 @@ impl Watched {
             }
             Event::InitDone => {
                 let listing = std::mem::take(&mut self.listing);
+                let listed: HashSet<String> = listing.values().filter_map(|pod| pod.uid()).collect();
                 let missing: Vec<String> = self
                     .pods
                     .iter()
                     .flat_map(HashMap::values)
                     .filter_map(|pod| pod.uid())
-                    .filter(|uid| !self.listed.contains(uid))
+                    .filter(|uid| !listed.contains(uid))
                     .collect();
                 for uid in missing {
                     self.remember_deleted(uid);
@@ -143,13 +140,12 @@ impl Watched {
                 let gone: Vec<String> = self
                     .listeners
                     .iter()
-                    .filter(|(uid, listener)| listener.round < round && !self.listed.contains(*uid))
+                    .filter(|(uid, listener)| listener.round < round && !listed.contains(*uid))
                     .map(|(uid, _)| uid.clone())
                     .collect();
                 for uid in gone {
                     self.tell(&uid, deleted);
                 }
-                self.listed.clear();
             }
         }
         // Attachments that ended stopped listening.

@@ -1363,13 +1363,13 @@ impl KubernetesRuntime {
         attach: impl std::future::Future<Output = Result<Attachment>>,
     ) -> Result<Attachment> {
         tokio::pin!(attach);
+        let uid = pod.uid().unwrap_or_default();
         loop {
             tokio::select! {
                 attached = &mut attach => return attached,
                 () = tokio::time::sleep(POLL) => {}
             }
             // As the shared watch saw it, else (not listed yet, or not seen yet) as read.
-            let uid = pod.uid().unwrap_or_default();
             let current = match self.worker_watch().await?.observe(&names::worker(id), &uid) {
                 Some(Observed::Pod(current)) => Some(*current),
                 Some(Observed::Absent { deleted: true }) => None,

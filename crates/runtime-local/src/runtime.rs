@@ -672,24 +672,28 @@ impl LocalRuntime {
 
     async fn suspend_locked(&self, id: SessionId, held: &mut Held, reason: SuspendReason) -> Result<()> {
         let dirs = self.dirs(&id);
-        let Some(mut record) = self.load(&id)? else {
-            return Err(Error::NotFound { id });
+        let (mut record, state) = loop {
+            let Some(record) = self.load(&id)? else {
+                return Err(Error::NotFound { id });
+            };
+            let state = record.state();
+            if !state.can_suspend() {
+                return Err(Error::InvalidState {
+                    id,
+                    state,
+                    operation: "suspend",
+                });
+            }
+            if state != SessionState::Running && record.worker.is_none() && held.worker.is_none() {
+                return Ok(());
+            }
+            if !self.own_left_behind(held, id, &dirs, &record).await? {
+                break (record, state);
+            }
+            // Taken only after a wait: whoever held it may have changed the record, so the
+            // lock goes back and the suspend decides again from a fresh read.
+            held.lock = None;
         };
-        let state = record.state();
-        if !state.can_suspend() {
-            return Err(Error::InvalidState {
-                id,
-                state,
-                operation: "suspend",
-            });
-        }
-        if state != SessionState::Running && record.worker.is_none() && held.worker.is_none() {
-            return Ok(());
-        }
-        if self.own_left_behind(held, id, &dirs, &record).await? {
-            // Read again under the lock: the broker that held it may have changed it.
-            record = self.load(&id)?.ok_or(Error::NotFound { id })?;
-        }
         let stopping = record.clone();
         if state == SessionState::Running {
             record.phase = Phase::Session(SessionState::Suspended);
@@ -1277,7 +1281,8 @@ impl LocalRuntime {
     /// `ORPHAN_EXIT_WAIT`) while the lock outlives the broker `record` names (see
     /// [`own_abandoned`](Self::own_abandoned)): a `run` killed a moment ago is suspended by its
     /// guard, which must not fail on the lock its dying broker's last child still holds.
-    /// `Ok(true)` if it waited (the record may have changed meanwhile).
+    /// `Ok(true)` if it waited (the record may have changed meanwhile, so the caller reads it
+    /// again).
     ///
     /// # Errors
     /// [`Error::StorageInUse`] if a live broker holds the lock, or the lock outlived the wait.
