@@ -1,5 +1,5 @@
-# The test cluster's one real node: containerd and runc from Debian, the kubelet and kube-proxy
-# built with the control plane, kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach
+# The test cluster's one real node: containerd 2.x and gVisor built from their Go modules (see
+# e2e/build-testbin), runc from Debian, the kubelet and kube-proxy built with the control plane, kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach
 # nothing off the machine. Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail,
 # kubeconfig, kubectl, say, die) and variables it uses.
 # shellcheck shell=bash
@@ -19,11 +19,16 @@ rule_comment=openab-test-cluster
 # and `down` puts them back.
 node_sysctls="vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.ipv4.icmp_ratelimit"
 
-ctr_() { ctr --address "$containerd_socket" -n k8s.io "$@"; }
+containerd_dir="$testbin/containerd-$CONTAINERD_VERSION"
+gvisor_dir="$testbin/gvisor-$GVISOR_VERSION"
+# gVisor's runtime handler, and the RuntimeClass that names it (unless OPENAB_CLUSTER_GVISOR=0).
+gvisor_handler=runsc
+with_gvisor=${OPENAB_CLUSTER_GVISOR:-1}
+ctr_() { "$containerd_dir/ctr" --address "$containerd_socket" -n k8s.io "$@"; }
 
 node_packages() {
   local missing=() tool
-  for tool in containerd:containerd runc:runc ctr:containerd iptables:iptables ipset:ipset; do
+  for tool in runc:runc iptables:iptables ipset:ipset; do
     command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
   done
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
@@ -153,10 +158,24 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
+    # gVisor: its shim (containerd-shim-runsc-v1, found on containerd's PATH) runs runsc.
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.$gvisor_handler]
+      runtime_type = "io.containerd.runsc.v1"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.$gvisor_handler.options]
+        TypeUrl = "io.containerd.runsc.v1.options"
+        ConfigPath = "$node_dir/containerd/runsc.toml"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$node_dir/cni/net.d"
     max_conf_num = 1
+TOML
+  # systrap: gVisor's platform that needs no virtualization (ptrace is its slow predecessor; KVM
+  # would need nested virtualization, which this VM does not give).
+  cat > "$node_dir/containerd/runsc.toml" <<TOML
+binary_name = "$gvisor_dir/runsc"
+root = "$node_dir/runsc"
+[runsc_config]
+  platform = "systrap"
 TOML
   cat > "$node_dir/cni/net.d/10-$cni_network.conflist" <<JSON
 {
@@ -223,7 +242,9 @@ YAML
 import_image() {
   local archive=$1 tag=$2
   if [ "$(cat "$node_dir/images/${tag//[:\/]/_}" 2>/dev/null)" != "$archive" ]; then
-    ctr_ images import --no-unpack=false "$archive" >/dev/null || die "could not import $archive"
+    # (ctr relays containerd's notice that cgroup v1 is deprecated: true, and not news here.)
+    ctr_ images import --no-unpack=false "$archive" 2> >(grep -v 'DEPRECATION: The support for cgroup v1' >&2) \
+      >/dev/null || die "could not import $archive"
     mkdir -p "$node_dir/images"
     printf '%s' "$archive" > "$node_dir/images/${tag//[:\/]/_}"
     say "imported $tag"
@@ -235,7 +256,9 @@ node_up() {
   node_network_check
   write_node_config
   kubeconfig "$node_dir/kubelet.kubeconfig" "system:node:$node_name" kubelet
-  start containerd containerd --config "$node_dir/containerd/config.toml"
+  # Shims are found on containerd's PATH.
+  PATH="$containerd_dir:$gvisor_dir:$PATH" \
+    start containerd "$containerd_dir/containerd" --config "$node_dir/containerd/config.toml"
   wait_for containerd 60 ctr_ version
   local pause worker helper agent_worker
   pause=$("$repo/e2e/images/build" pause) || die "building the pause image failed"
@@ -259,7 +282,23 @@ node_up() {
   done
   node_services_up
   node_policy_up
+  node_runtime_classes
   say "node $node_name Ready in $((SECONDS - started)) s"
+}
+
+# The RuntimeClass a profile's runtime_class names to run its workers under gVisor.
+node_runtime_classes() {
+  if [ "$with_gvisor" = 1 ]; then
+    kubectl apply -f - >/dev/null <<YAML || die "could not apply RuntimeClass gvisor"
+apiVersion: node.k8s.io/v1
+kind: RuntimeClass
+metadata:
+  name: gvisor
+handler: $gvisor_handler
+YAML
+  else
+    kubectl delete runtimeclass gvisor --ignore-not-found >/dev/null || die "could not delete RuntimeClass gvisor"
+  fi
 }
 
 # kube-proxy in iptables mode: ClusterIP Services, the `kubernetes` one among them. It leaves

@@ -112,6 +112,8 @@ struct Apis {
     profiles: Api<DynamicObject>,
     service_accounts: Api<k8s_openapi::api::core::v1::ServiceAccount>,
     events: SessionEvents,
+    /// What the kubelet said of the namespace's objects (read only when a start times out).
+    reported: Api<k8s_openapi::api::events::v1::Event>,
 }
 
 impl Apis {
@@ -125,10 +127,14 @@ impl Apis {
             pods: Api::namespaced(client.clone(), namespace),
             claims: Api::namespaced(client.clone(), namespace),
             service_accounts: Api::namespaced(client.clone(), namespace),
+            reported: Api::namespaced(client.clone(), namespace),
             profiles: Api::namespaced_with(client, namespace, &WorkerProfile::resource()),
         }
     }
 }
+
+/// The kubelet's Event reason when it cannot make a Pod's sandbox.
+const SANDBOX_FAILED: &str = "FailedCreatePodSandBox";
 
 /// Builds a [`KubernetesRuntime`].
 pub struct KubernetesRuntimeBuilder {
@@ -995,7 +1001,10 @@ impl KubernetesRuntime {
             if now >= deadline || (unschedulable.is_some() && now >= placement_deadline) {
                 let cause = match unschedulable {
                     Some(why) => session_runtime::WorkerFailure::Unschedulable(why),
-                    None => session_runtime::WorkerFailure::StartTimeout(self.start_timeout),
+                    None => match self.sandbox_failure(&pod).await {
+                        Some(cause) => cause,
+                        None => session_runtime::WorkerFailure::StartTimeout(self.start_timeout),
+                    },
                 };
                 return Err(Error::WorkerFailed { id: *id, cause });
             }
@@ -1024,6 +1033,34 @@ impl KubernetesRuntime {
                 seen = Some(*pod);
             }
         }
+    }
+
+    /// Why the node never made the Pod's sandbox, in the kubelet's words, if that is what held
+    /// it: a RuntimeClass whose handler the node lacks, say. The Pod's status says only
+    /// `ContainerCreating` (the kubelet retries), so its Events are read, once, at the timeout.
+    /// Unreadable Events leave the timeout as the cause.
+    async fn sandbox_failure(&self, pod: &Pod) -> Option<session_runtime::WorkerFailure> {
+        let uid = pod.uid()?;
+        let params = ListParams::default().fields(&format!("regarding.uid={uid},reason={SANDBOX_FAILED}"));
+        let listed = match self.apis().await.ok()?.reported.list(&params).await {
+            Ok(listed) => listed,
+            Err(error) => {
+                tracing::debug!(%error, "could not read the worker Pod's Events");
+                return None;
+            }
+        };
+        let latest = listed.items.into_iter().max_by_key(|event| {
+            event
+                .series
+                .as_ref()
+                .map(|series| series.last_observed_time.0)
+                .or(event.event_time.as_ref().map(|time| time.0))
+                .or(event.deprecated_last_timestamp.as_ref().map(|time| time.0))
+        })?;
+        let note = latest.note.unwrap_or_default();
+        Some(session_runtime::WorkerFailure::Spawn(format!(
+            "{SANDBOX_FAILED}: {note}"
+        )))
     }
 
     async fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {

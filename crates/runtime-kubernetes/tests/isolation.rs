@@ -25,10 +25,8 @@ async fn isolation(reach: Reach, installation: &str, image: &str, keys: &str) {
         &[("SKILL.md", SKILL)],
     )
     .await;
-    // The test node's containerd 1.6 cannot mount recursively read-only (containerd 2 can), and
-    // the default, "recursive", refuses to start such a worker rather than degrade silently.
     let profile_text = format!(
-        "skills_read_only = \"if-possible\"\n{keys}{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
+        "{keys}{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
         WORKER_PROFILE.replace("openab.dev/worker:test", image),
         skills.name()
     );
@@ -86,6 +84,21 @@ async fn two_workers_with_their_volumes_mounted_whole_cannot_touch_each_other() 
         "isolation-whole-volume",
         "openab.dev/worker:test",
         "volume_path = \"/session\"\n",
+    )
+    .await;
+}
+
+/// The same between two workers under gVisor (RuntimeClass `gvisor`). runsc reports no
+/// recursive read-only mounts to the kubelet, so the skills are read-only at their top only
+/// (`if-possible`; the default, `recursive`, refuses to start such a worker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_workers_under_gvisor_cannot_touch_each_other() {
+    isolation(
+        Reach::PodIp,
+        "isolation-gvisor",
+        "openab.dev/worker:test",
+        "runtime_class = \"gvisor\"\nskills_read_only = \"if-possible\"\n",
     )
     .await;
 }

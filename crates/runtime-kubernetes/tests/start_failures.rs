@@ -1,5 +1,6 @@
 //! Start failures from real ones, classified with the Pod's own words: a missing image, resources
-//! no node has, a RuntimeClass that does not exist; an agent killed over its memory limit after
+//! no node has, a RuntimeClass that does not exist, a RuntimeClass whose handler the node lacks
+//! (in the kubelet's words); an agent killed over its memory limit after
 //! the start; and objects under a session's names that are not the session's, which are never
 //! adopted.
 //!
@@ -118,6 +119,54 @@ async fn a_missing_runtime_class_is_refused_at_admission() {
     let failure = start_failure("fail-runtime-class", &profile, Duration::from_secs(30)).await;
     assert!(
         matches!(&failure, WorkerFailure::Spawn(said) if said.contains("no-such-sandbox")),
+        "{failure:?}"
+    );
+}
+
+/// A cluster-wide RuntimeClass, deleted when dropped.
+struct RuntimeClass(&'static str);
+
+impl RuntimeClass {
+    fn apply(name: &'static str, handler: &str) -> RuntimeClass {
+        let manifest = format!(
+            "{{\"apiVersion\":\"node.k8s.io/v1\",\"kind\":\"RuntimeClass\",\"metadata\":{{\"name\":\"{name}\"}},\"handler\":\"{handler}\"}}"
+        );
+        let mut child = std::process::Command::new("kubectl")
+            .args(["apply", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("kubectl (scripts/cluster env puts it on PATH)");
+        std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), manifest.as_bytes())
+            .expect("write the manifest");
+        assert!(
+            child.wait().expect("kubectl").success(),
+            "kubectl apply {manifest}"
+        );
+        RuntimeClass(name)
+    }
+}
+
+impl Drop for RuntimeClass {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kubectl")
+            .args(["delete", "runtimeclass", self.0, "--ignore-not-found"])
+            .output();
+    }
+}
+
+/// The class exists but the node has no such handler (a cluster where not every node has
+/// gVisor, say): the Pod stays `ContainerCreating` while the kubelet retries, and the start
+/// timeout reports the kubelet's refusal rather than a bare timeout.
+#[tokio::test]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn a_runtime_class_whose_handler_the_node_lacks_fails_in_the_kubelets_words() {
+    let _class = RuntimeClass::apply("oab-test-no-handler", "no-such-handler");
+    let profile = format!("runtime_class = \"oab-test-no-handler\"\n{WORKER_PROFILE}");
+    let failure = start_failure("fail-runtime-handler", &profile, Duration::from_secs(20)).await;
+    assert!(
+        matches!(&failure, WorkerFailure::Spawn(said)
+            if said.starts_with("FailedCreatePodSandBox") && said.contains("no-such-handler")),
         "{failure:?}"
     );
 }
