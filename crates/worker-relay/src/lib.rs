@@ -48,12 +48,14 @@
 //! | `7 ping` / `8 pong` | both | nonce u64 | heartbeat |
 //! | `9 signal` | B→R | signal u8 (15, 9, 2), grace_ms u32 | signal the agent's process group; SIGTERM escalates to SIGKILL after grace |
 //! | `10 error` | both | code u16, message (u16 len) | refusal or failure; the connection closes |
+//! | `11 bind` | B→R | bind_token \[32\], session (u8 len), generation u64, token_hash \[32\], working_dir (u16 len), env_count u16, env_count × (name (u16 len), value (u32 len)) | first and only frame of a bind connection: binds an unbound relay (see "Binding a warm relay") |
+//! | `12 bound` | R→B | generation u64 | the bind took (or had already taken) effect; the connection closes |
 //!
 //! Error codes ([`ErrorCode`]): 1 `bad-frame`, 2 `unsupported-version`, 3 `unexpected-frame`,
 //! 4 `out-of-order`, 5 `frame-too-large`, 6 `session-mismatch`, 7 `stale-generation`,
 //! 8 `bad-token`, 9 `stale-epoch`, 10 `replayed-hello`, 11 `resume-gap`, 12 `superseded`,
 //! 13 `spawn-failed`, 14 `handshake-timeout`, 15 `idle-timeout`, 16 `internal`,
-//! 17 `input-overflow`, 18 `epoch-ahead`. A refused connection never disturbs the current one. A
+//! 17 `input-overflow`, 18 `epoch-ahead`, 19 `already-bound`. A refused connection never disturbs the current one. A
 //! peer that fails the channel handshake gets no error frame at all: only the channel's empty
 //! refusal.
 //!

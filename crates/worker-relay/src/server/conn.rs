@@ -212,7 +212,11 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 ErrorCode::UnexpectedFrame,
                 "a second hello on one connection".to_owned(),
             )),
-            other @ (Frame::Welcome(_) | Frame::Exit { .. }) => Err((
+            Frame::Bind(_) => Err((
+                ErrorCode::UnexpectedFrame,
+                "a bind on a connection that said hello".to_owned(),
+            )),
+            other @ (Frame::Welcome(_) | Frame::Exit { .. } | Frame::Bound { .. }) => Err((
                 ErrorCode::UnexpectedFrame,
                 format!("a broker does not send {}", other.frame_type()),
             )),
