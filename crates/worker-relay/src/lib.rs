@@ -213,8 +213,8 @@ pub mod server;
 pub mod token;
 pub mod transport;
 
-pub use client::{ClientConfig, RelayClient};
-pub use protocol::{ErrorCode, Frame, FrameError};
-pub use server::{Overflow, Relay, RelayConfig};
+pub use client::{bind, BindError, ClientConfig, RelayClient};
+pub use protocol::{Binding, ErrorCode, Frame, FrameError};
+pub use server::{Overflow, Relay, RelayConfig, UnboundRelay};
 pub use token::{BrokerKey, Token, TokenHash};
 pub use transport::{CommandConnector, Connector, Refusal, TcpConnector, Transport, WebSocketConnector};

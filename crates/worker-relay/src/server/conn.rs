@@ -129,7 +129,7 @@ where
 }
 
 /// Reads and discards what the peer still sends, until it closes or [`LINGER`] passes.
-async fn linger<R: AsyncRead + Unpin>(mut read_half: R) {
+pub(super) async fn linger<R: AsyncRead + Unpin>(mut read_half: R) {
     use tokio::io::AsyncReadExt;
     let mut sink = vec![0u8; 16 * 1024];
     let _ = tokio::time::timeout(LINGER, async {
