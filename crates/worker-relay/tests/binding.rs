@@ -229,8 +229,15 @@ fn refused_at_the_channel(error: &BindError) -> bool {
 async fn an_unbound_relay_refuses_every_hello_and_starts_no_agent() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = dir.path().join("started");
-    let mut relay = Unbound::start(&marking_agent(&marker), &[], &dir.path().join("log")).await;
     let id = session("unbound-hello");
+    // The session's variables in the worker's environment change nothing: --unbound ignores them.
+    let hash = key().token(id.as_str(), 1).hash().to_hex();
+    let pod_env = [
+        ("OAB_RELAY_SESSION", id.as_str()),
+        ("OAB_RELAY_GENERATION", "1"),
+        ("OAB_RELAY_TOKEN_SHA256", hash.as_str()),
+    ];
+    let mut relay = Unbound::start(&marking_agent(&marker), &pod_env, &dir.path().join("log")).await;
     // The session's own token (as if bound), the bind token as a session token, any token.
     for token in [
         key().token(id.as_str(), 1),
@@ -618,11 +625,21 @@ fn serve(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
         .env_remove("OAB_RELAY_BIND_TOKEN_SHA256")
         .envs(env.iter().copied())
         .stdin(Stdio::null());
-    let child = command
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run the relay");
+    // A relay that does not refuse to start would serve for ever: give up on it.
+    let started = std::time::Instant::now();
+    while child.try_wait().expect("try_wait").is_none() {
+        if started.elapsed() > common::PATIENCE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("oab-relay serve {args:?} did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let output = child.wait_with_output().expect("the relay ends");
     assert!(
         !String::from_utf8_lossy(&output.stdout).contains("listening"),
