@@ -26,7 +26,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the protocol and run the agent (started on the first valid hello).
+    /// Serve the protocol and run the agent (started on the first valid hello; with --unbound,
+    /// once a broker bound the relay to a session).
     Serve(Box<Serve>),
     /// Create directories (with parents; mode 0700 for each named one) and exit: run as an init
     /// container, so that the session's workspace and HOME exist, owned by the worker user, before

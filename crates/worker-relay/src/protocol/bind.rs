@@ -1,4 +1,5 @@
-//! The bind exchange's frames: [`Bind`] (broker to relay) and [`Frame::Bound`] (its answer).
+//! The bind exchange's frames: [`Bind`] (broker to relay) and
+//! [`Frame::Bound`](super::Frame::Bound) (its answer).
 //!
 //! An unbound relay (`oab-relay serve --unbound`, a warm pool's worker) knows no session yet. A
 //! broker that claims it sends one `bind` on a connection of its own, inside a channel keyed by
@@ -127,7 +128,8 @@ impl Binding {
 /// then env_count times: name (u16 length, UTF-8), value (u32 length, UTF-8)`. See [`Binding`]
 /// for the rules each field follows; a frame that breaks one is refused with `bad-frame`.
 ///
-/// The relay answers [`Frame::Bound`] (or an error) and closes the connection.
+/// The relay answers [`Frame::Bound`](super::Frame::Bound) (or an error) and closes the
+/// connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bind {
     /// The bind token: its `SHA-256` is what the unbound relay was started with.
