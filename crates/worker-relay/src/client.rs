@@ -30,6 +30,10 @@ use crate::protocol::{
 use crate::token::{BrokerKey, Token};
 use crate::transport::{Connector, Transport};
 
+mod bind;
+
+pub use self::bind::{bind, BindError};
+
 /// How long a detaching client may take to deliver its last input and acknowledgement.
 const DETACH_PATIENCE: Duration = Duration::from_secs(2);
 

@@ -25,6 +25,8 @@
 //!   through `snow`, then ChaCha20-Poly1305 records) every connection opens before a frame flows.
 //! - [`protocol`]: frames, their encoding, the decoder and [`Sequencer`](protocol::Sequencer).
 //! - [`token`]: `HMAC-SHA256` tokens; the worker holds only their hash.
+//! - [`bind`] and [`UnboundRelay`]: a warm pool's relay, started before its session is known and
+//!   bound to one later (see "Binding a warm relay").
 //!
 //! # Protocol
 //!
@@ -48,12 +50,14 @@
 //! | `7 ping` / `8 pong` | both | nonce u64 | heartbeat |
 //! | `9 signal` | B→R | signal u8 (15, 9, 2), grace_ms u32 | signal the agent's process group; SIGTERM escalates to SIGKILL after grace |
 //! | `10 error` | both | code u16, message (u16 len) | refusal or failure; the connection closes |
+//! | `11 bind` | B→R | bind_token \[32\], session (u8 len), generation u64, token_hash \[32\], working_dir (u16 len), env_count u16, env_count × (name (u16 len), value (u32 len)) | first and only frame of a bind connection: binds an unbound relay (see "Binding a warm relay") |
+//! | `12 bound` | R→B | generation u64 | the bind took (or had already taken) effect; the connection closes |
 //!
 //! Error codes ([`ErrorCode`]): 1 `bad-frame`, 2 `unsupported-version`, 3 `unexpected-frame`,
 //! 4 `out-of-order`, 5 `frame-too-large`, 6 `session-mismatch`, 7 `stale-generation`,
 //! 8 `bad-token`, 9 `stale-epoch`, 10 `replayed-hello`, 11 `resume-gap`, 12 `superseded`,
 //! 13 `spawn-failed`, 14 `handshake-timeout`, 15 `idle-timeout`, 16 `internal`,
-//! 17 `input-overflow`, 18 `epoch-ahead`. A refused connection never disturbs the current one. A
+//! 17 `input-overflow`, 18 `epoch-ahead`, 19 `already-bound`. A refused connection never disturbs the current one. A
 //! peer that fails the channel handshake gets no error frame at all: only the channel's empty
 //! refusal.
 //!
@@ -145,6 +149,53 @@
 //! compares in constant time. A token (and so a channel key) of one session or generation opens
 //! nothing of another.
 //!
+//! # Binding a warm relay
+//!
+//! A warm pool keeps worker Pods running before any session needs them, so that a session's first
+//! attach does not wait for a Pod to be scheduled, its image pulled and its relay started. Such a
+//! Pod's relay runs `oab-relay serve --unbound -- <agent>` ([`UnboundRelay`]): it knows no session,
+//! generation or token hash, only `SHA-256` of its *bind token*, from
+//! [`BIND_TOKEN_HASH_ENV`](token::BIND_TOKEN_HASH_ENV) (the broker derives one bind token per pool
+//! member with [`BrokerKey::bind_token`], which never equals a session token). It listens at once,
+//! so the Pod becomes Ready, and starts no agent.
+//!
+//! When a session claims the member:
+//!
+//! 1. The broker calls [`bind`] with the bind token and a [`Binding`]: the session, the generation,
+//!    the hash of that session generation's token, and optionally the agent's working directory
+//!    and environment entries. It opens a connection whose channel is keyed by the bind token's
+//!    hash ([`ChannelKey::for_bind`](channel::ChannelKey::for_bind)), as a hello's is keyed by the
+//!    session token's, and sends one `bind`. The relay checks that the token in it hashes to what
+//!    it holds (in constant time; `bad-token` otherwise), answers `bound` and closes the
+//!    connection.
+//! 2. The broker then attaches as to any relay ([`RelayClient`]): from the `bind` on, the relay is
+//!    exactly a relay started with that session, generation and token hash. A hello with another
+//!    generation's token fails at the channel, the first valid hello starts the agent, in the
+//!    binding's working directory (the relay's own if it names none), with the binding's
+//!    environment.
+//!
+//! Before it is bound the relay holds no session key, so every hello, whatever its token, fails
+//! at the channel with the same empty refusal a wrong token gets. A relay started bound holds no
+//! bind key, so a `bind` fails at its channel. A `bind` on a hello's connection, or a hello on a
+//! bind connection, is `unexpected-frame`.
+//!
+//! **Idempotency.** A `bind` with the binding the relay already has (the same session, generation,
+//! token hash, working directory and environment, in the same order) is answered `bound` again, so a
+//! broker whose answer was lost ([`BindError::is_retryable`]) simply binds again; any other binding
+//! is refused with `already-bound` and changes nothing. A binding that breaks a rule (an
+//! environment name that is empty, holds `=` or NUL, starts with `OAB_RELAY_` or appears twice, a
+//! NUL in a value, more than 64 KiB of names and values, a relative working directory) is refused
+//! with `bad-frame` and binds nothing; [`bind`] does not send one.
+//!
+//! **What the agent sees.** The relay's environment without any `OAB_RELAY_` variable (the bind
+//! token's hash included), plus the binding's entries, which win over the worker's for the same
+//! name. The relay logs the binding's session, generation, working directory and environment
+//! names, never a token, a token hash or an environment value.
+//!
+//! The bind token's hash guards the bind as a token hash guards a hello: whoever reads it from the
+//! Pod's spec can pose as the unbound relay to a broker that binds it, as whoever reads a token
+//! hash can pose as a bound relay today.
+//!
 //! # The binary
 //!
 //! ```text
@@ -152,6 +203,7 @@
 //!                 [--workdir DIR] [--replay-bytes N] [--overflow block|discard]
 //!                 [--heartbeat 30s] [--linger 60s] [--term-grace 10s] -- <agent argv>
 //! oab-relay serve --agentcore [--http ADDR] [options] -- <agent argv>
+//! oab-relay serve --unbound [--listen ADDR]... [--workdir DIR] [options] -- <agent argv>
 //! oab-relay connect [ADDR]        # stdio <-> the local relay, for pods/exec
 //! ```
 //!
@@ -163,6 +215,9 @@
 //! or token hash: it serves only that contract (on `0.0.0.0:8080` by default), takes them from
 //! the runtime session id AgentCore passes in each `/ws` request's header ([`agentcore`]), and
 //! replaces the agent for each newer generation ([`AgentCoreServer`](server::AgentCoreServer)).
+//! With `--unbound` (TCP only) it reads `OAB_RELAY_BIND_TOKEN_SHA256` instead of the session's
+//! three variables, which it ignores, and waits to be bound (see "Binding a warm relay"); a missing
+//! or malformed value ends it with code 2 before it listens, as a missing token hash does.
 //! It prints one `oab-relay: listening on <kind> <addr>`
 //! line per listener to stdout, forwards `SIGTERM`/`SIGINT` to the agent's process group, acts as
 //! a child subreaper and reaps every orphan, and exits with the agent's exit code (128 + signal
@@ -191,8 +246,10 @@
 //!   driven end to end (`tests/relay.rs`, `tests/fencing.rs`); the channel attacked from outside
 //!   (`tests/authentication.rs`: a replayed exchange with a larger epoch, a token holder's epoch,
 //!   an impostor listener, a relay with another secret, a client fishing for the generation, the
-//!   dual-stack listener); 10,000 lines each way across 200 random
-//!   transport drops, cancel under a 50 MiB stream, memory with a full buffer
+//!   dual-stack listener); unbound relays bound, re-bound and refused, the agent's environment and
+//!   working directory after a bind, the `--unbound` command line (`tests/binding.rs`); 10,000
+//!   lines each way across 200 random transport drops, cancel under a 50 MiB stream, memory with
+//!   a full buffer
 //!   (`tests/reliability.rs`); the contract's conformance suite through a `RelayRuntime` whose
 //!   workers are `oab-relay serve -- acp-test-agent` (`tests/conformance.rs`); a bounded
 //!   randomized run of the decoder (`tests/decode_fuzz.rs`).
@@ -211,8 +268,8 @@ pub mod server;
 pub mod token;
 pub mod transport;
 
-pub use client::{ClientConfig, RelayClient};
-pub use protocol::{ErrorCode, Frame, FrameError};
-pub use server::{Overflow, Relay, RelayConfig};
+pub use client::{bind, BindError, ClientConfig, RelayClient};
+pub use protocol::{Binding, ErrorCode, Frame, FrameError};
+pub use server::{Overflow, Relay, RelayConfig, UnboundRelay};
 pub use token::{BrokerKey, Token, TokenHash};
 pub use transport::{CommandConnector, Connector, Refusal, TcpConnector, Transport, WebSocketConnector};

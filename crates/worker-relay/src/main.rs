@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::signal::unix::{signal, SignalKind};
 use worker_relay::server::{listen, DEFAULT_PORT};
-use worker_relay::server::{AgentCoreServer, RelayTemplate};
-use worker_relay::token::TOKEN_HASH_ENV;
+use worker_relay::server::{AgentCoreServer, RelayTemplate, UnboundRelay};
+use worker_relay::token::{BIND_TOKEN_HASH_ENV, TOKEN_HASH_ENV};
 use worker_relay::{Overflow, Relay, RelayConfig, TokenHash};
 
 /// The worker relay: runs an ACP agent and serves its stdio to the broker over a resumable,
@@ -26,7 +26,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the protocol and run the agent (started on the first valid hello).
+    /// Serve the protocol and run the agent (started on the first valid hello; with --unbound,
+    /// once a broker bound the relay to a session).
     Serve(Box<Serve>),
     /// Create directories (with parents; mode 0700 for each named one) and exit: run as an init
     /// container, so that the session's workspace and HOME exist, owned by the worker user, before
@@ -69,13 +70,21 @@ struct Serve {
     /// the agent. No session, generation or token hash is configured.
     #[arg(long, conflicts_with_all = ["listen", "session", "generation"])]
     agentcore: bool,
-    /// The session id (default: $OAB_RELAY_SESSION).
+    /// Warm pool mode: start with no session, listen at once and start no agent until a broker
+    /// binds the relay to a session (a `bind` carrying the bind token whose SHA-256 is
+    /// $OAB_RELAY_BIND_TOKEN_SHA256, 64 hex digits); from then on serve that session as if started
+    /// with it. The bind may set the agent's working directory and add to its environment
+    /// (over the relay's own for the same name). TCP listeners only.
+    #[arg(long, conflicts_with_all = ["agentcore", "session", "generation", "http"])]
+    unbound: bool,
+    /// The session id (default: $OAB_RELAY_SESSION; not with --unbound).
     #[arg(long)]
     session: Option<String>,
-    /// The worker generation (default: $OAB_RELAY_GENERATION).
+    /// The worker generation (default: $OAB_RELAY_GENERATION; not with --unbound).
     #[arg(long)]
     generation: Option<u64>,
-    /// The agent's working directory (default: the current directory).
+    /// The agent's working directory (default: the current directory; with --unbound, a binding
+    /// that names one wins).
     #[arg(long)]
     workdir: Option<PathBuf>,
     /// A directory to make (as `prepare` does) before the relay listens, so that a worker whose
@@ -243,9 +252,85 @@ async fn run_agentcore(serve: Serve) -> i32 {
     server.stop(term_grace).await
 }
 
+/// Binds the TCP listeners `serve` asks for (the default one if it names none and no --http);
+/// their announcement lines.
+fn tcp_listeners(serve: &Serve) -> Result<Vec<(TcpListener, String)>, i32> {
+    let mut listeners = Vec::new();
+    if serve.listen.is_empty() && serve.http.is_none() {
+        match listen::bind_any(DEFAULT_PORT) {
+            Ok(listener) => listeners.push(listener),
+            Err(error) => return Err(fail(&format!("cannot listen on port {DEFAULT_PORT}: {error}"))),
+        }
+    }
+    for addr in &serve.listen {
+        match listen::bind(*addr) {
+            Ok(listener) => listeners.push(listener),
+            Err(error) => return Err(fail(&format!("cannot listen on {addr}: {error}"))),
+        }
+    }
+    listeners
+        .into_iter()
+        .map(|listener| match listener.local_addr() {
+            Ok(addr) => Ok((listener, format!("tcp {addr}"))),
+            Err(error) => Err(fail(&format!("cannot tell a listener's address: {error}"))),
+        })
+        .collect()
+}
+
+/// `serve --unbound`: listen at once, start nothing until a broker binds the relay.
+async fn run_unbound(serve: Serve) -> i32 {
+    let bind_token_hash = match std::env::var(BIND_TOKEN_HASH_ENV).map(|hex| TokenHash::from_hex(&hex)) {
+        Ok(Ok(hash)) => hash,
+        Ok(Err(why)) => return fail(&format!("{BIND_TOKEN_HASH_ENV}: {why}")),
+        Err(_) => return fail(&format!("{BIND_TOKEN_HASH_ENV} is not set")),
+    };
+    if let Some(code) = prepare(&serve.make_dirs) {
+        return code;
+    }
+    become_subreaper(&serve);
+    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(term), Ok(int)) => (term, int),
+        (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
+    };
+    let listeners = match tcp_listeners(&serve) {
+        Ok(listeners) => listeners,
+        Err(code) => return code,
+    };
+    let handshake_timeout = serve.handshake_timeout;
+    let term_grace = serve.term_grace;
+    let template = RelayTemplate::new(move |session, generation, token_hash| {
+        relay_config(&serve, session.to_owned(), generation, token_hash)
+    });
+    let relay = UnboundRelay::new(template, bind_token_hash, handshake_timeout);
+    let mut announce = Vec::new();
+    for (listener, line) in listeners {
+        announce.push(line);
+        let relay = relay.clone();
+        tokio::spawn(async move { relay.serve_tcp(listener).await });
+    }
+    print_listening(&announce);
+    tracing::info!(listeners = ?announce, "relay ready, unbound");
+    loop {
+        tokio::select! {
+            code = relay.finished() => return code,
+            _ = term.recv() => {
+                tracing::info!("SIGTERM: stopping");
+                relay.terminate(term_grace);
+            }
+            _ = int.recv() => {
+                tracing::info!("SIGINT: stopping");
+                relay.terminate(term_grace);
+            }
+        }
+    }
+}
+
 async fn run_serve(serve: Serve) -> i32 {
     if serve.agentcore {
         return run_agentcore(serve).await;
+    }
+    if serve.unbound {
+        return run_unbound(serve).await;
     }
     let Some(session) = serve
         .session
@@ -279,25 +364,13 @@ async fn run_serve(serve: Serve) -> i32 {
         (Ok(term), Ok(int)) => (term, int),
         (Err(error), _) | (_, Err(error)) => return fail(&format!("cannot handle signals: {error}")),
     };
-    let mut listeners = Vec::new();
-    if serve.listen.is_empty() && serve.http.is_none() {
-        match listen::bind_any(DEFAULT_PORT) {
-            Ok(listener) => listeners.push(listener),
-            Err(error) => return fail(&format!("cannot listen on port {DEFAULT_PORT}: {error}")),
-        }
-    }
-    for addr in &serve.listen {
-        match listen::bind(*addr) {
-            Ok(listener) => listeners.push(listener),
-            Err(error) => return fail(&format!("cannot listen on {addr}: {error}")),
-        }
-    }
+    let listeners = match tcp_listeners(&serve) {
+        Ok(listeners) => listeners,
+        Err(code) => return code,
+    };
     let mut announce = Vec::new();
-    for listener in listeners {
-        match listener.local_addr() {
-            Ok(addr) => announce.push(format!("tcp {addr}")),
-            Err(error) => return fail(&format!("cannot tell a listener's address: {error}")),
-        }
+    for (listener, line) in listeners {
+        announce.push(line);
         let relay = relay.clone();
         tokio::spawn(async move { relay.serve_tcp(listener).await });
     }

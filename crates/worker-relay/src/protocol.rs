@@ -34,6 +34,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::token::{Token, TOKEN_LEN};
 
+mod bind;
+
+pub use self::bind::{Bind, Binding, MAX_BIND_ENV_BYTES, RESERVED_ENV_PREFIX};
+
 /// The protocol (and framing) version this crate speaks.
 pub const VERSION: u8 = 1;
 
@@ -100,11 +104,15 @@ pub enum FrameType {
     Signal,
     /// `0x0a`, both ways: a refusal or failure, with a machine-readable code.
     Error,
+    /// `0x0b`, broker to relay: binds an unbound relay to a session.
+    Bind,
+    /// `0x0c`, relay to broker: the relay is bound as asked.
+    Bound,
 }
 
 impl FrameType {
     /// Every frame type, in wire order.
-    pub const ALL: [FrameType; 10] = [
+    pub const ALL: [FrameType; 12] = [
         FrameType::Hello,
         FrameType::Welcome,
         FrameType::Data,
@@ -115,6 +123,8 @@ impl FrameType {
         FrameType::Pong,
         FrameType::Signal,
         FrameType::Error,
+        FrameType::Bind,
+        FrameType::Bound,
     ];
 
     /// The type byte.
@@ -130,6 +140,8 @@ impl FrameType {
             FrameType::Pong => 8,
             FrameType::Signal => 9,
             FrameType::Error => 10,
+            FrameType::Bind => 11,
+            FrameType::Bound => 12,
         }
     }
 
@@ -146,6 +158,8 @@ impl FrameType {
             8 => FrameType::Pong,
             9 => FrameType::Signal,
             10 => FrameType::Error,
+            11 => FrameType::Bind,
+            12 => FrameType::Bound,
             _ => return None,
         })
     }
@@ -163,14 +177,16 @@ impl FrameType {
             FrameType::Pong => "pong",
             FrameType::Signal => "signal",
             FrameType::Error => "error",
+            FrameType::Bind => "bind",
+            FrameType::Bound => "bound",
         }
     }
 
     /// Whether `peer` may send frames of this type.
     pub const fn sent_by(self, peer: Peer) -> bool {
         match self {
-            FrameType::Hello | FrameType::Signal => matches!(peer, Peer::Broker),
-            FrameType::Welcome | FrameType::Exit => matches!(peer, Peer::Relay),
+            FrameType::Hello | FrameType::Signal | FrameType::Bind => matches!(peer, Peer::Broker),
+            FrameType::Welcome | FrameType::Exit | FrameType::Bound => matches!(peer, Peer::Relay),
             FrameType::Data
             | FrameType::Ack
             | FrameType::Eof
@@ -351,13 +367,17 @@ pub enum ErrorCode {
     /// does not let it fence the brokers that did (see the crate's "Epochs"). A broker whose clock
     /// runs ahead is admitted once the relay's clock catches up, so the client retries.
     EpochAhead,
+    /// 19: a `bind` to a relay already bound to another binding (another session, generation,
+    /// token hash, working directory or environment); nothing changed. The same binding again is
+    /// answered with `bound`.
+    AlreadyBound,
     /// A code this version does not know.
     Unknown(u16),
 }
 
 impl ErrorCode {
     /// Every known code.
-    pub const KNOWN: [ErrorCode; 18] = [
+    pub const KNOWN: [ErrorCode; 19] = [
         ErrorCode::BadFrame,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnexpectedFrame,
@@ -376,6 +396,7 @@ impl ErrorCode {
         ErrorCode::Internal,
         ErrorCode::InputOverflow,
         ErrorCode::EpochAhead,
+        ErrorCode::AlreadyBound,
     ];
 
     /// The code on the wire.
@@ -399,6 +420,7 @@ impl ErrorCode {
             ErrorCode::Internal => 16,
             ErrorCode::InputOverflow => 17,
             ErrorCode::EpochAhead => 18,
+            ErrorCode::AlreadyBound => 19,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -424,6 +446,7 @@ impl ErrorCode {
             16 => ErrorCode::Internal,
             17 => ErrorCode::InputOverflow,
             18 => ErrorCode::EpochAhead,
+            19 => ErrorCode::AlreadyBound,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -449,6 +472,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::InputOverflow => "input-overflow",
             ErrorCode::EpochAhead => "epoch-ahead",
+            ErrorCode::AlreadyBound => "already-bound",
             ErrorCode::Unknown(_) => "unknown",
         }
     }
@@ -542,6 +566,15 @@ pub enum Frame {
         /// What went wrong, for people.
         message: String,
     },
+    /// Binds an unbound relay (broker to relay); see [`Bind`].
+    Bind(Bind),
+    /// The relay is bound as the [`Bind`] asked (relay to broker); it closes the connection.
+    ///
+    /// Payload: `generation u64`, the bound generation, echoed.
+    Bound {
+        /// The generation the relay is bound to.
+        generation: u64,
+    },
 }
 
 impl Frame {
@@ -566,6 +599,8 @@ impl Frame {
             Frame::Pong { .. } => FrameType::Pong,
             Frame::Signal { .. } => FrameType::Signal,
             Frame::Error { .. } => FrameType::Error,
+            Frame::Bind(_) => FrameType::Bind,
+            Frame::Bound { .. } => FrameType::Bound,
         }
     }
 
@@ -638,6 +673,8 @@ impl Frame {
                 out.put_u16(code.to_u16());
                 put_text(out, message);
             }
+            Frame::Bind(bind) => bind.encode_payload(out),
+            Frame::Bound { generation } => out.put_u64(*generation),
         }
         let len = out.len() - start - HEADER_LEN;
         // `validate` bounded every field, so the payload fits the header's u32.
@@ -661,6 +698,7 @@ impl Frame {
             Frame::Hello(hello) => 65 + hello.session.len(),
             Frame::Welcome(welcome) => 31 + welcome.working_dir.len(),
             Frame::Error { message, .. } => 4 + message.len(),
+            Frame::Bind(bind) => bind.payload_len(),
             _ => 16,
         }
     }
@@ -678,6 +716,11 @@ impl Frame {
             Frame::Hello(hello) => {
                 if let Err(reason) = check_session(hello.session.as_bytes()) {
                     return invalid("session", reason);
+                }
+            }
+            Frame::Bind(bind) => {
+                if let Err((field, reason)) = bind.binding.check() {
+                    return invalid(field, reason);
                 }
             }
             Frame::Welcome(welcome) if welcome.working_dir.len() > MAX_TEXT_LEN => {
@@ -1065,6 +1108,10 @@ fn parse_payload(frame_type: FrameType, payload: Bytes) -> Result<Frame, FrameEr
             let message = f.text("message")?;
             Frame::Error { code, message }
         }
+        FrameType::Bind => Frame::Bind(bind::parse(&mut f)?),
+        FrameType::Bound => Frame::Bound {
+            generation: f.u64("generation")?,
+        },
     };
     f.finish(frame)
 }
@@ -1479,6 +1526,14 @@ mod tests {
             },
             Frame::error(ErrorCode::ResumeGap, "output 3 to 9 is gone"),
             Frame::error(ErrorCode::Unknown(999), ""),
+            Frame::error(ErrorCode::AlreadyBound, "bound to another session"),
+            Frame::Bind(Bind {
+                bind_token: token(),
+                binding: Binding::new("abcdefghijklmnopqrst", 3, crate::TokenHash::from_bytes([5; 32]))
+                    .working_dir("/workspace")
+                    .env("HOME", "/home/agent"),
+            }),
+            Frame::Bound { generation: 3 },
         ]
     }
 

@@ -4,6 +4,18 @@
 //! re-derive a token after a restart without storing it; the worker is given only
 //! `SHA-256(token)` in hex ([`TokenHash`]), so nothing inside it (in particular the untrusted agent)
 //! can forge a token for another session or generation.
+//!
+//! A warm pool's unbound relay is given the hash of a *bind token* instead
+//! ([`BIND_TOKEN_HASH_ENV`]): `HMAC-SHA256(broker key, 0x00 ‖ "oab-relay bind token 1" ‖ u8
+//! len(member) ‖ member)` ([`BrokerKey::bind_token`]), for the pool member (e.g. the Pod's name).
+//!
+//! **A bind token is never a session token.** Both are the same HMAC under the same key, so they
+//! are kept apart by their inputs. A session token's input starts with its session's length `L`
+//! (saturated at 255) and is exactly `1 + L + 8` bytes long when `L < 255`: it starts with `0x00`
+//! only for the empty session, and is then exactly 9 bytes long. A bind token's input starts with
+//! `0x00` and is at least `1 + 22 + 1 = 24` bytes long. No input is both, for any session or member
+//! string (and a real session id is never empty, so its token's input never starts with `0x00` at
+//! all); HMAC then gives the two unrelated outputs.
 
 use std::fmt;
 
@@ -16,6 +28,13 @@ pub const TOKEN_LEN: usize = 32;
 
 /// The environment variable the relay reads its [`TokenHash`] from (64 lowercase hex digits).
 pub const TOKEN_HASH_ENV: &str = "OAB_RELAY_TOKEN_SHA256";
+
+/// The environment variable an unbound relay (`oab-relay serve --unbound`) reads the hash of its
+/// bind token from (64 hex digits), instead of a session, generation and [`TOKEN_HASH_ENV`].
+pub const BIND_TOKEN_HASH_ENV: &str = "OAB_RELAY_BIND_TOKEN_SHA256";
+
+/// What a bind token's HMAC input starts with after its tag byte `0x00`.
+const BIND_LABEL: &[u8] = b"oab-relay bind token 1";
 
 /// The broker's secret for deriving relay tokens. Its `Debug` output never shows the key.
 #[derive(Clone)]
@@ -43,6 +62,21 @@ impl BrokerKey {
         mac.update(&[len]);
         mac.update(session.as_bytes());
         mac.update(&generation.to_be_bytes());
+        Token(mac.finalize().into_bytes().into())
+    }
+
+    /// The bind token of one warm pool member (e.g. its Pod's name): the broker gives the
+    /// member's relay `SHA-256` of it ([`BIND_TOKEN_HASH_ENV`]) and presents it in the `bind`
+    /// that claims the member for a session. It never equals any session's [`token`](Self::token)
+    /// (see the module documentation).
+    pub fn bind_token(&self, member: &str) -> Token {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("HMAC accepts keys of any length");
+        // The tag byte no session token's input of this length starts with, then the label.
+        mac.update(&[0]);
+        mac.update(BIND_LABEL);
+        let len = u8::try_from(member.len()).unwrap_or(u8::MAX);
+        mac.update(&[len]);
+        mac.update(member.as_bytes());
         Token(mac.finalize().into_bytes().into())
     }
 }
@@ -174,9 +208,37 @@ mod tests {
     }
 
     #[test]
+    fn bind_tokens_depend_on_key_and_member_and_follow_the_documented_input() {
+        let key = BrokerKey::new(b"k".repeat(32));
+        let token = key.bind_token("pool-0");
+        assert_eq!(token, key.bind_token("pool-0"));
+        assert_ne!(token, key.bind_token("pool-1"));
+        assert_ne!(token, BrokerKey::new(b"j".repeat(32)).bind_token("pool-0"));
+        let mut mac = Hmac::<Sha256>::new_from_slice(&b"k".repeat(32)).expect("any key length");
+        mac.update(b"\0oab-relay bind token 1\x06pool-0");
+        assert_eq!(token, Token(mac.finalize().into_bytes().into()));
+    }
+
+    #[test]
+    fn a_bind_token_is_no_session_token() {
+        let key = BrokerKey::new(b"k".repeat(32));
+        // The session tokens whose input starts with the bind tag (the empty session), and ones
+        // built to look like a bind token's input as far as they can.
+        for generation in [0, 1, u64::MAX] {
+            for member in ["", "pool-0", "x"] {
+                let bind = key.bind_token(member);
+                assert_ne!(bind, key.token("", generation));
+                assert_ne!(bind, key.token(member, generation));
+                assert_ne!(bind, key.token("oab-relay bind token 1", generation));
+            }
+        }
+    }
+
+    #[test]
     fn debug_output_redacts_secrets() {
         let key = BrokerKey::new(b"secret-key".to_vec());
         assert!(!format!("{key:?}").contains("secret"));
         assert_eq!(format!("{:?}", key.token("s", 1)), "Token(<redacted>)");
+        assert_eq!(format!("{:?}", key.bind_token("m")), "Token(<redacted>)");
     }
 }

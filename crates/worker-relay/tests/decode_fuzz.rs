@@ -5,10 +5,10 @@
 use bytes::Bytes;
 use proptest::prelude::*;
 use worker_relay::protocol::{
-    decode_frame, ErrorCode, ExitStatus, Frame, FrameDecoder, FrameError, Hello, Peer, RelaySignal, Welcome,
-    MAX_DATA,
+    decode_frame, Bind, Binding, ErrorCode, ExitStatus, Frame, FrameDecoder, FrameError, Hello, Peer,
+    RelaySignal, Welcome, MAX_DATA,
 };
-use worker_relay::Token;
+use worker_relay::{Token, TokenHash};
 
 fn check(data: &[u8]) {
     for peer in [Peer::Broker, Peer::Relay] {
@@ -128,6 +128,26 @@ fn frame() -> impl Strategy<Value = Frame> {
         )
             .prop_map(|(signal, grace_ms)| Frame::Signal { signal, grace_ms }),
         (any::<u16>(), text()).prop_map(|(code, message)| Frame::error(ErrorCode::from_u16(code), message)),
+        (
+            any::<[u8; 32]>(),
+            session(),
+            any::<u64>(),
+            any::<[u8; 32]>(),
+            prop_oneof![Just(String::new()), "/[a-z/]{0,20}"],
+            proptest::collection::btree_map("[A-Za-z_][A-Za-z0-9_]{0,10}", ".{0,20}", 0..4),
+        )
+            .prop_map(|(bind_token, session, generation, hash, working_dir, env)| {
+                let mut binding =
+                    Binding::new(session, generation, TokenHash::from_bytes(hash)).working_dir(working_dir);
+                for (name, value) in env {
+                    binding = binding.env(format!("X{name}"), value.replace('\0', ""));
+                }
+                Frame::Bind(Bind {
+                    bind_token: Token::from_bytes(bind_token),
+                    binding,
+                })
+            }),
+        any::<u64>().prop_map(|generation| Frame::Bound { generation }),
     ]
 }
 
@@ -149,7 +169,7 @@ proptest! {
 
     #[test]
     fn bytes_behind_a_valid_header_never_panic(
-        frame_type in 0u8..12,
+        frame_type in 0u8..14,
         len in 0u32..300,
         body in proptest::collection::vec(any::<u8>(), 0..300),
     ) {

@@ -95,25 +95,54 @@ where
 ///
 /// # Cancellation
 /// Dropping the future abandons the transport.
-pub async fn respond<T>(mut transport: T, key: &ChannelKey) -> Result<SecureStream<T>, HandshakeError>
+pub async fn respond<T>(transport: T, key: &ChannelKey) -> Result<SecureStream<T>, HandshakeError>
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut noise = builder(key)?.build_responder().map_err(HandshakeError::Setup)?;
+    respond_any(transport, &[key]).await.map(|(stream, _)| stream)
+}
+
+/// As [`respond`], for a relay that accepts channels under several keys (an unbound relay once
+/// bound: its bind key and its session's key): the first of `keys` the broker's first message
+/// authenticates under opens the channel, and its index is returned. A first message that
+/// authenticates under none gets the same empty refusal as with one key.
+///
+/// # Errors
+/// As [`respond`].
+///
+/// # Cancellation
+/// As [`respond`].
+pub async fn respond_any<T>(
+    mut transport: T,
+    keys: &[&ChannelKey],
+) -> Result<(SecureStream<T>, usize), HandshakeError>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
     let first = read_message(&mut transport).await?;
     let mut payload = [0u8; PAYLOAD_ROOM];
-    if first.is_empty() || noise.read_message(&first, &mut payload).is_err() {
+    let mut opened = None;
+    if !first.is_empty() {
+        for (index, key) in keys.iter().enumerate() {
+            let mut noise = builder(key)?.build_responder().map_err(HandshakeError::Setup)?;
+            if noise.read_message(&first, &mut payload).is_ok() {
+                opened = Some((noise, index));
+                break;
+            }
+        }
+    }
+    let Some((mut noise, index)) = opened else {
         // The refusal says no more than "no": not the session, not the generation.
         let _ = write_message(&mut transport, &[]).await;
         return Err(HandshakeError::PeerUnauthenticated);
-    }
+    };
     let mut message = [0u8; MESSAGE_LEN];
     let len = noise
         .write_message(&[], &mut message)
         .map_err(HandshakeError::Setup)?;
     write_message(&mut transport, &message[..len]).await?;
     let noise = noise.into_transport_mode().map_err(HandshakeError::Setup)?;
-    Ok(SecureStream::new(transport, noise))
+    Ok((SecureStream::new(transport, noise), index))
 }
 
 /// Writes one handshake message: `u16be len | bytes`.
@@ -183,6 +212,30 @@ mod tests {
             matches!(relay, Err(HandshakeError::PeerUnauthenticated)),
             "{relay:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_relay_with_several_keys_opens_under_the_one_the_broker_holds() {
+        for (broker_key, expected) in [(1u8, Some(0)), (2, Some(1)), (3, None)] {
+            let (near, far) = tokio::io::duplex(1 << 16);
+            let relay = tokio::spawn(async move {
+                respond_any(far, &[&key(1), &key(2)])
+                    .await
+                    .map(|(_, index)| index)
+            });
+            let broker = initiate(near, &key(broker_key)).await;
+            let relay = relay.await.expect("task");
+            match expected {
+                Some(index) => {
+                    assert!(broker.is_ok(), "{broker:?}");
+                    assert_eq!(relay.expect("opened"), index);
+                }
+                None => {
+                    assert!(matches!(broker, Err(HandshakeError::Refused)), "{broker:?}");
+                    assert!(matches!(relay, Err(HandshakeError::PeerUnauthenticated)));
+                }
+            }
+        }
     }
 
     #[tokio::test]

@@ -10,6 +10,11 @@
 //! - Both derive the channel's pre-shared key from what the relay holds:
 //!   `psk = HMAC-SHA256(key: SHA-256(token), "oab-relay channel key 1" ‖ u8 len ‖ session id)`
 //!   ([`ChannelKey::derive`]).
+//! - A bind connection to an unbound relay (a warm pool's) is the same channel keyed by what
+//!   that relay holds, the hash of its bind token:
+//!   `psk = HMAC-SHA256(key: SHA-256(bind token), "oab-relay bind channel key 1")`
+//!   ([`ChannelKey::for_bind`]); the broker then proves it holds the bind token itself in its
+//!   `bind`, as it proves the session token in a hello.
 //!
 //! The handshake is Noise `NNpsk0` (`Noise_NNpsk0_25519_ChaChaPoly_SHA256`, prologue
 //! `oab-relay channel 1`): each side sends one fresh X25519 ephemeral key, and the PSK is mixed
@@ -76,7 +81,7 @@ use sha2::Sha256;
 
 use crate::token::{Token, TokenHash};
 
-pub use self::handshake::{initiate, respond, HandshakeError};
+pub use self::handshake::{initiate, respond, respond_any, HandshakeError};
 pub use self::stream::{SecureStream, MAX_RECORD_PLAINTEXT};
 
 /// Length of a [`ChannelKey`], in bytes.
@@ -85,6 +90,10 @@ pub const CHANNEL_KEY_LEN: usize = 32;
 /// What the key derivation mixes in before the session id, so that the key is good for nothing
 /// else.
 const KEY_LABEL: &[u8] = b"oab-relay channel key 1";
+
+/// What the key of a bind connection's channel is derived from: a label no session key's input
+/// starts with.
+const BIND_KEY_LABEL: &[u8] = b"oab-relay bind channel key 1";
 
 /// The channel's pre-shared key for one session generation. Its `Debug` output never shows it.
 #[derive(Clone, PartialEq, Eq)]
@@ -114,6 +123,15 @@ impl ChannelKey {
         Self::derive(session, &token.hash())
     }
 
+    /// The key of a bind connection's channel, from what an unbound relay holds: the hash of its
+    /// bind token ([`BrokerKey::bind_token`](crate::BrokerKey::bind_token)).
+    pub fn for_bind(bind_token_hash: &TokenHash) -> Self {
+        let mut mac = Hmac::<Sha256>::new_from_slice(bind_token_hash.as_bytes())
+            .expect("HMAC accepts keys of any length");
+        mac.update(BIND_KEY_LABEL);
+        Self(mac.finalize().into_bytes().into())
+    }
+
     pub(crate) fn as_bytes(&self) -> &[u8; CHANNEL_KEY_LEN] {
         &self.0
     }
@@ -133,5 +151,17 @@ mod tests {
         assert_ne!(ChannelKey::for_token("abd", &token), relay_side);
         assert_ne!(ChannelKey::for_token("abc", &broker.token("abc", 2)), relay_side);
         assert_eq!(format!("{relay_side:?}"), "ChannelKey(<redacted>)");
+    }
+
+    #[test]
+    fn bind_keys_differ_from_session_keys_of_the_same_hash() {
+        let hash = BrokerKey::new(b"k".repeat(32)).bind_token("pool-0").hash();
+        let bind = ChannelKey::for_bind(&hash);
+        assert_ne!(bind, ChannelKey::derive("", &hash));
+        assert_ne!(bind, ChannelKey::derive("pool-0", &hash));
+        assert_ne!(
+            bind,
+            ChannelKey::for_bind(&BrokerKey::new(b"k".repeat(32)).bind_token("pool-1").hash())
+        );
     }
 }

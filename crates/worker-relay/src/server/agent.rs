@@ -15,7 +15,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use super::log::DATA_PREFIX;
 use super::Inner;
-use crate::protocol::{ExitStatus, RelaySignal};
+use crate::protocol::{ExitStatus, RelaySignal, RESERVED_ENV_PREFIX};
 
 /// Bytes read from the agent's stdout at a time (and so the largest output data item).
 pub(crate) const READ_CHUNK: usize = 256 * 1024;
@@ -50,9 +50,17 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    // The relay's own variables (the token hashes, the bind token's hash of an unbound relay,
+    // the session) are not the agent's business.
     for (key, _) in std::env::vars_os() {
-        if key.to_string_lossy().starts_with("OAB_RELAY_") {
+        if is_relay_variable(&key) {
             command.env_remove(key);
+        }
+    }
+    // A binding's environment, after the relay's own: it wins for the same name.
+    for (name, value) in &config.env {
+        if !is_relay_variable(name) {
+            command.env(name, value);
         }
     }
     let mut child = command.spawn()?;
@@ -75,6 +83,12 @@ pub(crate) fn spawn(inner: &Arc<Inner>) -> io::Result<Spawned> {
     tokio::spawn(super::stderr::pump(Arc::clone(inner), stderr));
     tokio::spawn(reap(Arc::clone(inner), pid, sigchld));
     Ok(Spawned { pid })
+}
+
+/// Whether `name` is one of the relay's own environment variables, which the agent never sees.
+fn is_relay_variable(name: &std::ffi::OsStr) -> bool {
+    name.as_encoded_bytes()
+        .starts_with(RESERVED_ENV_PREFIX.as_bytes())
 }
 
 /// Writes the broker's input to the agent's stdin, in order, until the relay is done. It runs
@@ -244,5 +258,26 @@ pub(crate) fn signal_group(pid: u32, signal: RelaySignal) {
     match rustix::process::kill_process_group(group, signal) {
         Ok(()) | Err(rustix::io::Errno::SRCH) => {}
         Err(error) => tracing::warn!(%error, "signalling the agent's process group failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::{BIND_TOKEN_HASH_ENV, TOKEN_HASH_ENV};
+
+    #[test]
+    fn the_relay_s_own_variables_are_recognised() {
+        for name in [
+            TOKEN_HASH_ENV,
+            BIND_TOKEN_HASH_ENV,
+            "OAB_RELAY_SESSION",
+            "OAB_RELAY_GENERATION",
+        ] {
+            assert!(is_relay_variable(name.as_ref()), "{name}");
+        }
+        for name in ["OAB_RELAYX", "oab_relay_session", "HOME", ""] {
+            assert!(!is_relay_variable(name.as_ref()), "{name}");
+        }
     }
 }

@@ -53,6 +53,13 @@ impl RelayTemplate {
     }
 }
 
+impl RelayTemplate {
+    /// The configuration of the relay for `generation` of `session`.
+    pub(super) fn make(&self, session: &str, generation: u64, token_hash: TokenHash) -> RelayConfig {
+        (self.0)(session, generation, token_hash)
+    }
+}
+
 impl fmt::Debug for RelayTemplate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("RelayTemplate")

@@ -129,7 +129,7 @@ where
 }
 
 /// Reads and discards what the peer still sends, until it closes or [`LINGER`] passes.
-async fn linger<R: AsyncRead + Unpin>(mut read_half: R) {
+pub(super) async fn linger<R: AsyncRead + Unpin>(mut read_half: R) {
     use tokio::io::AsyncReadExt;
     let mut sink = vec![0u8; 16 * 1024];
     let _ = tokio::time::timeout(LINGER, async {
@@ -212,7 +212,11 @@ async fn read_loop<R: AsyncRead + Unpin>(
                 ErrorCode::UnexpectedFrame,
                 "a second hello on one connection".to_owned(),
             )),
-            other @ (Frame::Welcome(_) | Frame::Exit { .. }) => Err((
+            Frame::Bind(_) => Err((
+                ErrorCode::UnexpectedFrame,
+                "a bind on a connection that said hello".to_owned(),
+            )),
+            other @ (Frame::Welcome(_) | Frame::Exit { .. } | Frame::Bound { .. }) => Err((
                 ErrorCode::UnexpectedFrame,
                 format!("a broker does not send {}", other.frame_type()),
             )),

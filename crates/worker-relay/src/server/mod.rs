@@ -3,6 +3,7 @@
 
 mod agent;
 mod agentcore;
+mod bind;
 mod conn;
 mod http;
 pub mod listen;
@@ -31,6 +32,7 @@ use crate::protocol::{
 use crate::token::TokenHash;
 
 pub use self::agentcore::{AgentCoreServer, RelayTemplate};
+pub use self::bind::UnboundRelay;
 
 /// Default TCP port of `oab-relay serve` (and of `oab-relay connect`).
 pub const DEFAULT_PORT: u16 = 7780;
@@ -79,6 +81,7 @@ pub struct RelayConfig {
     program: OsString,
     args: Vec<OsString>,
     working_dir: PathBuf,
+    env: Vec<(OsString, OsString)>,
     replay_bytes: usize,
     input_bytes: usize,
     overflow: Overflow,
@@ -107,6 +110,7 @@ impl RelayConfig {
             program: argv.next().unwrap_or_default(),
             args: argv.collect(),
             working_dir: std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")),
+            env: Vec::new(),
             replay_bytes: DEFAULT_REPLAY_BYTES,
             input_bytes: DEFAULT_INPUT_BYTES,
             overflow: Overflow::Block,
@@ -122,6 +126,19 @@ impl RelayConfig {
     /// The agent's working directory (default: the relay's), reported to the broker.
     pub fn working_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.working_dir = dir.into();
+        self
+    }
+
+    /// Environment entries for the agent, set after the relay's own environment (without its
+    /// `OAB_RELAY_` variables), so they win over the worker's for the same name; entries whose
+    /// name starts with `OAB_RELAY_` are never passed on. A binding's environment arrives here.
+    pub fn agent_env<K, V>(mut self, env: impl IntoIterator<Item = (K, V)>) -> Self
+    where
+        K: Into<OsString>,
+        V: Into<OsString>,
+    {
+        self.env
+            .extend(env.into_iter().map(|(name, value)| (name.into(), value.into())));
         self
     }
 
