@@ -99,14 +99,13 @@ async fn the_controller_command_leads_and_gives_the_lease_up_on_sigterm() {
         .expect("remove the test's Lease");
 }
 
-/// The e2e worker image with the ACP test agent (its exec probe is the shell `verify` uses). The
-/// test node's containerd 1.6 cannot mount skills recursively read-only, which the default refuses.
+/// The e2e worker image with the ACP test agent (its exec probe is the shell `verify` uses), its
+/// skills recursively read-only (the default).
 const PROFILE: &str = r#"
 image = "openab.dev/worker:test"
 image_pull_policy = "Never"
 agent = ["/usr/local/bin/acp-test-agent"]
 termination_grace = "2s"
-skills_read_only = "if-possible"
 
 [storage]
 kind = "per-session"

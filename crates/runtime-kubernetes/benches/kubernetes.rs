@@ -23,6 +23,11 @@
 //!    (`openab.dev/agent-worker:test`, e2e/images/build): a new session's first ACP reply and a
 //!    resume's, against a bare Pod of that image from create to Ready (median of 10 each); the
 //!    image's size as the node reports it; the relay's and the agent's resident memory per Pod.
+//! 6. On the real node, the gVisor tier (`runtime_class = "gvisor"`) against the default runtime
+//!    (runc), each with ephemeral storage mounted whole, interleaved: a new session's first ACP
+//!    reply and a resume's (median and p95 of 20 each), a bare Pod of the image under each, and
+//!    the memory each worker Pod costs the node (proportional set size of its processes and its
+//!    containerd shim, read from the node's `/proc`).
 //!
 //! `OAB_BENCH_PARTS=2,5` runs only those parts. Without a cluster it says so and exits 0: a
 //! benchmark is run by hand, never a gate.
@@ -171,12 +176,21 @@ async fn run() {
     if part("5") {
         real_agent_against_a_bare_pod(&cluster, &build(&real_agent), &installation).await;
     }
+    let gvisor = format!("{installation}-gvisor");
+    if part("6") {
+        let document = format!("runtime_class = \"gvisor\"\nvolume_path = \"/session\"\n{WORKER}");
+        maps.create(&PostParams::default(), &profile(&gvisor, &document))
+            .await
+            .expect("the gVisor profile");
+        gvisor_against_runc(&cluster, &build(&whole_ephemeral), &build(&gvisor), &installation).await;
+    }
     for name in [
         &installation,
         &with_volume,
         &whole_volume,
         &whole_ephemeral,
         &real_agent,
+        &gvisor,
     ] {
         let _ = maps.delete(name, &DeleteParams::default()).await;
     }
@@ -712,4 +726,162 @@ async fn image_size(cluster: &TestCluster) -> Option<i64> {
                 .then_some(image.size_bytes?)
         })
     })
+}
+
+/// Part 6: the same worker under runc and under gVisor, interleaved.
+async fn gvisor_against_runc(
+    cluster: &TestCluster,
+    runc: &KubernetesRuntime,
+    gvisor: &KubernetesRuntime,
+    installation: &str,
+) {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let tiers = [("runc", None, runc), ("gVisor", Some("gvisor"), gvisor)];
+    let mut figures: Vec<TierFigures> = tiers.iter().map(|_| TierFigures::default()).collect();
+    for sample in 0..SAMPLES {
+        for ((tier, class, runtime), figures) in tiers.iter().zip(figures.iter_mut()) {
+            let mut pod = restricted_pod(
+                &format!("{installation}-{}-bare-{sample}", tier.to_lowercase()),
+                "openab.dev/worker:test",
+                &["/bin/sleep", "3600"],
+            );
+            if let Some(spec) = pod.spec.as_mut() {
+                spec.runtime_class_name = class.map(str::to_owned);
+            }
+            figures.bare.push(bare_pod_to_ready(&pods, pod).await);
+            let identity = SessionIdentity::new(installation, "agent", "bench", format!("{tier}-{sample}"))
+                .expect("identity");
+            let id = identity.id();
+            runtime
+                .create(&identity, &CreateOptions::new())
+                .await
+                .expect("create");
+            let started = Instant::now();
+            let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
+            client.initialize().await.expect("the first ACP reply");
+            figures.first.push(started.elapsed());
+            figures.memory.push(node_memory(&pods, id.as_ref()).await);
+            drop(client);
+            runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend");
+            let started = Instant::now();
+            let client = AcpClient::new(runtime.attach(&id).await.expect("resume"));
+            client
+                .initialize()
+                .await
+                .expect("the first ACP reply after resume");
+            figures.resume.push(started.elapsed());
+            drop(client);
+            runtime.close(&id, CloseReason::Reset).await.expect("close");
+        }
+    }
+    let stats = |samples: &[Duration]| {
+        let mut sorted = samples.to_vec();
+        sorted.sort();
+        let median = sorted[sorted.len() / 2];
+        (median, percentile(&mut sorted, 0.95))
+    };
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+    println!("the gVisor tier against runc (ephemeral storage mounted whole, {SAMPLES} each, interleaved):");
+    let mut medians = Vec::new();
+    for (
+        (tier, _, _),
+        TierFigures {
+            bare,
+            first,
+            resume,
+            memory,
+        },
+    ) in tiers.iter().zip(&figures)
+    {
+        let (bare, bare_p95) = stats(bare);
+        let (first, first_p95) = stats(first);
+        let (resume, resume_p95) = stats(resume);
+        let mut memory = memory.clone();
+        memory.sort_unstable();
+        let memory = memory[memory.len() / 2];
+        println!(
+            "  {tier:<7} bare Pod median {bare:>9.1?} (p95 {bare_p95:>9.1?})  first ACP reply {first:>9.1?} (p95 {first_p95:>9.1?})  resume {resume:>9.1?} (p95 {resume_p95:>9.1?})  node memory per worker Pod {:.1} MiB",
+            memory as f64 / 1024.0
+        );
+        medians.push((bare, first, resume, memory));
+    }
+    let (
+        (runc_bare, runc_first, runc_resume, runc_memory),
+        (gvisor_bare, gvisor_first, gvisor_resume, gvisor_memory),
+    ) = (medians[0], medians[1]);
+    println!(
+        "  gVisor / runc (medians): bare Pod {:.2}x, first reply {:.2}x, resume {:.2}x; memory {:+.1} MiB per worker Pod",
+        ratio(gvisor_bare, runc_bare),
+        ratio(gvisor_first, runc_first),
+        ratio(gvisor_resume, runc_resume),
+        (gvisor_memory as f64 - runc_memory as f64) / 1024.0
+    );
+}
+
+/// Part 6's samples of one tier.
+#[derive(Default)]
+struct TierFigures {
+    /// A bare Pod of the image, create to Ready.
+    bare: Vec<Duration>,
+    /// A new session's attach to its first ACP reply.
+    first: Vec<Duration>,
+    /// A resume's attach to its first ACP reply.
+    resume: Vec<Duration>,
+    /// What the worker Pod costs the node, KiB.
+    memory: Vec<u64>,
+}
+
+/// What the session's worker Pod costs the node's memory, in KiB: the proportional set size of
+/// every process in the Pod's cgroup (the containers, or gVisor's sandbox and gofer) and of the
+/// containerd shim that is their parent, read from the node's `/proc` (this benchmark runs on
+/// the node).
+async fn node_memory(pods: &Api<Pod>, session: &str) -> u64 {
+    let listed = pods
+        .list(&ListParams::default().labels(&format!("openab.dev/session={session}")))
+        .await
+        .expect("the session's Pods");
+    let uid = listed
+        .into_iter()
+        .find(|pod| pod.metadata.deletion_timestamp.is_none())
+        .and_then(|pod| pod.metadata.uid)
+        .expect("a worker Pod");
+    // cgroupfs names a Pod's cgroup `pod<uid>`.
+    let marker = format!("pod{uid}");
+    let pss = |pid: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|line| line.strip_prefix("Pss:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let parent = |pid: &str| -> Option<String> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the parenthesised command: state, then the parent's pid.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)
+            .map(str::to_owned)
+    };
+    let mut members = std::collections::BTreeSet::new();
+    let mut shims = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+        if !cgroups.contains(&marker) {
+            continue;
+        }
+        if let Some(parent) = parent(&pid) {
+            let name = std::fs::read_to_string(format!("/proc/{parent}/comm")).unwrap_or_default();
+            if name.starts_with("containerd-shim") {
+                shims.insert(parent);
+            }
+        }
+        members.insert(pid);
+    }
+    members.iter().chain(&shims).map(|pid| pss(pid)).sum()
 }

@@ -305,18 +305,13 @@ async fn a_pod_over_its_memory_limit_is_oom_killed_and_says_so() {
     let cluster = TestCluster::connect().await;
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let name = unique_name("hungry");
-    // dd allocates its block size at once: 256 MiB against a 32 MiB limit. The node's containerd
-    // (1.6) watches a container's cgroup for OOM only once its process has started, so an OOM in
-    // the first instants is reported as "Error" (containerd/containerd#8180); the agent a worker
-    // runs is long past them, so the probe waits a second before it asks for the memory.
+    // dd allocates its block size at once: 256 MiB against a 32 MiB limit, in the container's
+    // first instants, where containerd 1.6 reported the kill as a plain "Error"
+    // (containerd/containerd#8180); the node's containerd 2 watches the cgroup from the start.
     let mut pod = restricted_pod(
         &name,
-        WORKER_IMAGE,
-        &[
-            "sh",
-            "-c",
-            "sleep 1 && exec dd if=/dev/zero of=/dev/null bs=256M count=4",
-        ],
+        "openab.dev/worker:test",
+        &["dd", "if=/dev/zero", "of=/dev/null", "bs=256M", "count=4"],
     );
     pod.spec.as_mut().expect("spec").containers[0].resources = Some(ResourceRequirements {
         limits: Some([("memory".to_owned(), Quantity("32Mi".to_owned()))].into()),
