@@ -83,24 +83,11 @@ impl UnboundRelay {
     /// # Errors
     /// As [`Relay::serve_tcp`].
     pub async fn serve_tcp(&self, listener: TcpListener) -> std::io::Result<()> {
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                () = self.inner.done.cancelled() => return Ok(()),
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    tracing::debug!(%peer, "connection");
-                    let relay = self.clone();
-                    tokio::spawn(async move { relay.serve_connection(stream).await });
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+        super::accept_until(&listener, &self.inner.done, |stream| {
+            let relay = self.clone();
+            tokio::spawn(async move { relay.serve_connection(stream).await });
+        })
+        .await
     }
 
     /// Serves one connection: the channel handshake under the bind key or, once bound, the

@@ -354,24 +354,11 @@ impl Relay {
     /// Never returns an error for a single failed accept; the signature leaves room for a fatal
     /// listener failure.
     pub async fn serve_tcp(&self, listener: TcpListener) -> std::io::Result<()> {
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                () = self.inner.done.cancelled() => return Ok(()),
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    tracing::debug!(%peer, "connection");
-                    let relay = self.clone();
-                    tokio::spawn(async move { relay.serve_connection(stream).await });
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+        accept_until(&listener, &self.inner.done, |stream| {
+            let relay = self.clone();
+            tokio::spawn(async move { relay.serve_connection(stream).await });
+        })
+        .await
     }
 
     /// Serves AgentCore's container contract on `listener` until the relay finishes: `GET /ping`
@@ -1073,4 +1060,29 @@ pub(crate) async fn refuse<W: AsyncWrite + Unpin>(writer: &mut W, code: ErrorCod
     let _ = crate::protocol::write_frame(writer, &frame).await;
     let _ = writer.flush().await;
     let _ = writer.shutdown().await;
+}
+/// Accepts connections on `listener` until `done` is cancelled, handing each (with Nagle off) to
+/// `serve`; a failed accept (descriptors exhausted, say) is logged and retried after 50 ms.
+pub(crate) async fn accept_until(
+    listener: &TcpListener,
+    done: &CancellationToken,
+    serve: impl Fn(tokio::net::TcpStream),
+) -> std::io::Result<()> {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = done.cancelled() => return Ok(()),
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                tracing::debug!(%peer, "connection");
+                serve(stream);
+            }
+            Err(error) => {
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
 }
