@@ -1,6 +1,6 @@
 # The test cluster's one real node: containerd 2.x and gVisor built from their Go modules (see
-# e2e/build-testbin), runc from Debian, the kubelet and kube-proxy built with the control plane, kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach
-# nothing off the machine. Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail,
+# e2e/build-testbin), runc from Debian, the kubelet and kube-proxy built with the control plane,
+# kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach nothing off the machine. Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail,
 # kubeconfig, kubectl, say, die) and variables it uses.
 # shellcheck shell=bash
 
@@ -169,8 +169,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     conf_dir = "$node_dir/cni/net.d"
     max_conf_num = 1
 TOML
-  # systrap: gVisor's platform that needs no virtualization (ptrace is its slow predecessor; KVM
-  # would need nested virtualization, which this VM does not give).
+  # systrap: gVisor's platform that needs no virtualization (ptrace is its slow predecessor; runsc's
+  # kvm platform did not run on this VM, although /dev/kvm exists).
   cat > "$node_dir/containerd/runsc.toml" <<TOML
 binary_name = "$gvisor_dir/runsc"
 root = "$node_dir/runsc"
