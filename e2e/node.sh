@@ -1,7 +1,8 @@
 # The test cluster's one real node: containerd 2.x and gVisor built from their Go modules (see
 # e2e/build-testbin), runc from Debian, the kubelet and kube-proxy built with the control plane,
-# kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach nothing off the machine. Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail,
-# kubeconfig, kubectl, say, die) and variables it uses.
+# kube-router enforcing NetworkPolicy, a CNI bridge whose Pods reach nothing off the machine.
+# Sourced by scripts/cluster, whose helpers (start, stop, wait_for, fail, kubeconfig, kubectl,
+# say, die) and variables it uses.
 # shellcheck shell=bash
 
 node_name=$(hostname)
