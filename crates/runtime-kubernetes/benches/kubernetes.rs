@@ -29,7 +29,10 @@
 //!    the memory each worker Pod costs the node (proportional set size of its processes and its
 //!    containerd shim, read from the node's `/proc`).
 //!
-//! `OAB_BENCH_PARTS=2,5` runs only those parts. Without a cluster it says so and exits 0: a
+//! `OAB_BENCH_PARTS=2,5` runs only those parts; `OAB_BENCH_LAYOUTS=1,3` only those layouts of
+//! part 2 (numbered from 0 as listed); `RUST_LOG` (e.g. `runtime_kubernetes=debug`) logs the
+//! runtime to standard error. Part 2 lists each sample over twice its median, by session name,
+//! to find it in that log. Without a cluster it says so and exits 0: a
 //! benchmark is run by hand, never a gate.
 
 use std::collections::BTreeMap;
@@ -79,6 +82,12 @@ fn main() {
     if std::env::var_os("OPENAB_BROKER_KUBECONFIG").is_none() {
         eprintln!("kubernetes bench: no cluster in the environment; start one with scripts/cluster up and eval \"$(scripts/cluster env)\"");
         return;
+    }
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -150,12 +159,22 @@ async fn run() {
         requests_per_lifecycle(&runtime, &faults, &installation).await;
     }
     if part("2") {
-        let layouts = [
-            ("a claim each, subPaths + init container", build(&with_volume)),
-            ("a claim each, mounted whole", build(&whole_volume)),
-            ("ephemeral, subPaths + init container", build(&installation)),
-            ("ephemeral, mounted whole", build(&whole_ephemeral)),
-        ];
+        let chosen = std::env::var("OAB_BENCH_LAYOUTS").ok();
+        let layouts: Vec<_> = [
+            ("a claim each, subPaths + init container", &with_volume),
+            ("a claim each, mounted whole", &whole_volume),
+            ("ephemeral, subPaths + init container", &installation),
+            ("ephemeral, mounted whole", &whole_ephemeral),
+        ]
+        .into_iter()
+        .enumerate()
+        .filter(|(n, _)| {
+            chosen
+                .as_deref()
+                .is_none_or(|chosen| chosen.split(',').any(|c| c.trim() == n.to_string()))
+        })
+        .map(|(_, (label, profile))| (label, build(profile)))
+        .collect();
         attach_against_a_bare_pod(&cluster, &layouts, &installation).await;
     }
     if part("3") {
@@ -346,7 +365,7 @@ async fn new_session_and_resume(
 /// them, or the volume mounted whole with `volume_path`, where the relay makes them).
 async fn attach_against_a_bare_pod(
     cluster: &TestCluster,
-    layouts: &[(&str, KubernetesRuntime)],
+    layouts: &[(&'static str, KubernetesRuntime)],
     installation: &str,
 ) {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
@@ -379,6 +398,25 @@ async fn attach_against_a_bare_pod(
             let sampled = new_session_and_resume(runtime, installation, &name).await;
             for (samples, figure) in figures[layout].iter_mut().zip(sampled) {
                 samples.push(figure);
+            }
+        }
+    }
+    // The outliers, to find in the runtime's log (RUST_LOG).
+    for (layout, ((label, _), samples)) in layouts.iter().zip(&figures).enumerate() {
+        for (figure, samples) in ["attach", "first reply", "resume"].iter().zip(samples) {
+            let (_, median, _) = median(samples.clone());
+            for (sample, taken) in samples.iter().enumerate() {
+                if *taken > median * 2 {
+                    let id = SessionIdentity::new(
+                        installation,
+                        "agent",
+                        "bench",
+                        format!("attach-{layout}-{sample}"),
+                    )
+                    .expect("identity")
+                    .id();
+                    println!("  outlier: {label}, {figure} of sample {sample} (session {id}): {taken:.1?}, median {median:.1?}");
+                }
             }
         }
     }
