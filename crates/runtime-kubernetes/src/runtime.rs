@@ -1037,9 +1037,12 @@ impl KubernetesRuntime {
 
     /// Why the node never made the Pod's sandbox, in the kubelet's words, if that is what held
     /// it: a RuntimeClass whose handler the node lacks, say. The Pod's status says only
-    /// `ContainerCreating` (the kubelet retries), so its Events are read, once, at the timeout.
-    /// Unreadable Events leave the timeout as the cause.
+    /// `ContainerCreating` (the kubelet retries), so its Events are read, once, at the timeout, if
+    /// the Pod still has no sandbox. Unreadable Events leave the timeout as the cause.
     async fn sandbox_failure(&self, pod: &Pod) -> Option<session_runtime::WorkerFailure> {
+        if !crate::start::sandbox_missing(pod) {
+            return None;
+        }
         let uid = pod.uid()?;
         let params = ListParams::default().fields(&format!("regarding.uid={uid},reason={SANDBOX_FAILED}"));
         let listed = match self.apis().await.ok()?.reported.list(&params).await {

@@ -93,6 +93,20 @@ pub(crate) fn progress(pod: &Pod) -> Progress {
     Progress::Starting
 }
 
+/// Whether the kubelet has yet to make the Pod's sandbox (its network and pause container): the
+/// condition `PodReadyToStartContainers` is not `True`. Only then can a sandbox failure the
+/// kubelet reported be why the Pod did not start (an earlier failure it recovered from is not).
+pub(crate) fn sandbox_missing(pod: &Pod) -> bool {
+    let conditions = pod
+        .status
+        .as_ref()
+        .and_then(|status| status.conditions.as_deref());
+    !conditions
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.type_ == "PodReadyToStartContainers" && c.status == "True")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,5 +170,16 @@ mod tests {
         assert_eq!(progress(&ready), Progress::Ready);
         let evicted = pod(serde_json::json!({ "phase": "Failed", "reason": "Evicted", "message": "disk" }));
         assert!(matches!(progress(&evicted), Progress::Failed(WorkerFailure::Evicted(m)) if m == "disk"));
+    }
+
+    #[test]
+    fn a_sandbox_is_missing_until_the_pod_is_ready_to_start_containers() {
+        let with = |status: &str| {
+            pod(serde_json::json!({ "conditions": [
+                { "type": "PodReadyToStartContainers", "status": status }] }))
+        };
+        assert!(sandbox_missing(&with("False")));
+        assert!(sandbox_missing(&pod(serde_json::json!({}))));
+        assert!(!sandbox_missing(&with("True")));
     }
 }
