@@ -179,7 +179,14 @@ async fn pass(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
             continue;
         };
         let name = claim.name_any();
-        if named_claims.contains(&name) || unreadable.contains(&id) || !is_old(&claim.metadata, runtime) {
+        // A claim being deleted is on its way out, not an orphan: a pass may delete an expired
+        // claim and then the record that named it, while the claim waits for its Pod to go
+        // (`pvc-protection`).
+        if named_claims.contains(&name)
+            || unreadable.contains(&id)
+            || !is_old(&claim.metadata, runtime)
+            || claim.metadata.deletion_timestamp.is_some()
+        {
             continue;
         }
         if !runtime.housekeeping.delete_orphaned_storage {
