@@ -310,19 +310,13 @@ async fn run_unbound(serve: Serve) -> i32 {
     }
     print_listening(&announce);
     tracing::info!(listeners = ?announce, "relay ready, unbound");
-    loop {
-        tokio::select! {
-            code = relay.finished() => return code,
-            _ = term.recv() => {
-                tracing::info!("SIGTERM: stopping");
-                relay.terminate(term_grace);
-            }
-            _ = int.recv() => {
-                tracing::info!("SIGINT: stopping");
-                relay.terminate(term_grace);
-            }
-        }
-    }
+    until_finished(
+        relay.finished(),
+        (&mut term, &mut int),
+        || relay.terminate(term_grace),
+        "stopping",
+    )
+    .await
 }
 
 async fn run_serve(serve: Serve) -> i32 {
@@ -386,16 +380,33 @@ async fn run_serve(serve: Serve) -> i32 {
     print_listening(&announce);
     tracing::info!(listeners = ?announce, generation, "relay ready");
     let term_grace = serve.term_grace;
+    until_finished(
+        relay.finished(),
+        (&mut term, &mut int),
+        || relay.terminate(term_grace),
+        "stopping the agent",
+    )
+    .await
+}
+
+/// Waits for a relay's exit code, calling `terminate` on each SIGTERM or SIGINT meanwhile.
+async fn until_finished(
+    finished: impl std::future::Future<Output = i32>,
+    (term, int): (&mut tokio::signal::unix::Signal, &mut tokio::signal::unix::Signal),
+    terminate: impl Fn(),
+    what: &str,
+) -> i32 {
+    tokio::pin!(finished);
     loop {
         tokio::select! {
-            code = relay.finished() => return code,
+            code = &mut finished => return code,
             _ = term.recv() => {
-                tracing::info!("SIGTERM: stopping the agent");
-                relay.terminate(term_grace);
+                tracing::info!("SIGTERM: {what}");
+                terminate();
             }
             _ = int.recv() => {
-                tracing::info!("SIGINT: stopping the agent");
-                relay.terminate(term_grace);
+                tracing::info!("SIGINT: {what}");
+                terminate();
             }
         }
     }
