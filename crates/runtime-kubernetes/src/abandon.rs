@@ -133,6 +133,8 @@ pub(crate) async fn undo(
     why: &str,
 ) -> Result<()> {
     let anchor = names::anchor(id);
+    // Its worker's name as the record gives it (a claimed pool member has its own).
+    let mut name = names::worker(id);
     for _ in 0..CAS_ATTEMPTS {
         let Some(anchor) = anchors
             .get_opt(&anchor)
@@ -147,6 +149,9 @@ pub(crate) async fn undo(
         let Some(record) = anchor.record(id)? else {
             break;
         };
+        if record.generation == generation {
+            name = record.worker_pod();
+        }
         if record.generation != generation || record.state() != SessionState::Running {
             break;
         }
@@ -169,7 +174,6 @@ pub(crate) async fn undo(
             Err(Swap::Failed(error)) => return Err(error),
         }
     }
-    let name = names::worker(id);
     let Some(pod) = pods
         .get_opt(&name)
         .await
@@ -230,6 +234,7 @@ mod tests {
             pod_uid: pod_uid.map(str::to_owned),
             started_at: now() - started_ago,
             holder_epoch: None,
+            pod: None,
         });
         record
     }

@@ -197,7 +197,7 @@ impl OabSession {
                 .worker
                 .as_ref()
                 .filter(|_| record.state() == SessionState::Running)
-                .map(|_| names::worker(&record.id)),
+                .map(|_| record.worker_pod()),
             storage: storage_summary(record),
             last_activity: rfc3339(record.last_activity),
             renew_time: Some(renewed.to_owned()),

@@ -283,7 +283,7 @@ impl Controller {
             }
         };
         let worker = pods
-            .get(&ObjectRef::new(&names::worker(id)).within(namespace))
+            .get(&ObjectRef::new(&record.worker_pod()).within(namespace))
             .filter(|pod| names::belongs_to(&pod.metadata, id));
         let result = reconcile::session(
             &self.runtime,

@@ -34,6 +34,7 @@ mod metered;
 mod names;
 mod network;
 mod pod;
+mod pool;
 pub mod profile;
 mod reach;
 mod reconcile;

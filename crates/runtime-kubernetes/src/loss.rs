@@ -203,6 +203,15 @@ impl WorkerWatch {
         self.state.lock().observe(name, uid)
     }
 
+    /// The Pods `keep` picks as the watch last saw them; `None` until the watch has listed the
+    /// Pods once. Starts the watch.
+    pub(crate) fn pods_where(&self, keep: impl Fn(&Pod) -> bool) -> Option<Vec<Pod>> {
+        self.start();
+        let state = self.state.lock();
+        let pods = state.pods.as_ref()?;
+        Some(pods.values().filter(|pod| keep(pod)).cloned().collect())
+    }
+
     /// Moves whenever the watch applied an event: look again with [`observe`](Self::observe).
     /// Starts the watch.
     pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {

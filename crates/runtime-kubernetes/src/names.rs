@@ -24,7 +24,11 @@ pub(crate) const GENERATION: &str = "openab.dev/generation";
 pub(crate) const ROLE: &str = "openab.dev/role";
 /// Label: the profile a worker Pod was made from (see [`profile_label`]).
 pub(crate) const PROFILE: &str = "openab.dev/profile";
-/// Annotation on an egress policy: the profile version it was written from.
+/// The [`ROLE`] of a warm pool member (a worker with no session yet); a claim makes it `worker`.
+pub(crate) const POOL_ROLE: &str = "pool";
+/// Label: which broker key binds a pool member (see `pool::key_label`).
+pub(crate) const POOL_KEY: &str = "openab.dev/pool-key";
+/// Annotation on an egress policy or a pool member: the profile version it was written from.
 pub(crate) const PROFILE_VERSION: &str = "openab.dev/profile-version";
 /// Annotation: the full session id, checked before adopting an object.
 pub(crate) const SESSION_ID: &str = "openab.dev/session-id";
@@ -33,6 +37,9 @@ pub(crate) const SESSION_ID: &str = "openab.dev/session-id";
 pub(crate) fn anchor(id: &SessionId) -> String {
     format!("oab-s-{id}")
 }
+
+/// The prefix of a warm pool member's name (its Pod's and its ServiceAccount's).
+pub(crate) const MEMBER_PREFIX: &str = "oab-m-";
 
 /// The worker Pod (one at a time; owned by the anchor).
 pub(crate) fn worker(id: &SessionId) -> String {

@@ -36,7 +36,11 @@ pub(crate) fn egress_policy(profile: &WorkerProfile, installation: &str) -> Netw
     let roles = LabelSelectorRequirement {
         key: names::ROLE.to_owned(),
         operator: "In".to_owned(),
-        values: Some(vec!["worker".to_owned(), "seed".to_owned()]),
+        values: Some(vec![
+            "worker".to_owned(),
+            names::POOL_ROLE.to_owned(),
+            "seed".to_owned(),
+        ]),
     };
     let peers: Vec<NetworkPolicyPeer> = profile
         .egress
@@ -109,7 +113,11 @@ mod tests {
             .expect("a role requirement");
         assert_eq!(
             (roles.operator.as_str(), roles.values.clone()),
-            ("In", Some(vec!["worker".to_owned(), "seed".to_owned()]))
+            (
+                "In",
+                Some(vec!["worker".to_owned(), "pool".to_owned(), "seed".to_owned()])
+            ),
+            "a warm pool member is under its profile's egress before its claim too"
         );
         let cidrs: Vec<String> = spec
             .egress

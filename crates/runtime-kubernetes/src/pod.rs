@@ -15,11 +15,11 @@ use k8s_openapi::api::core::v1::{
     VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use session_runtime::config::EgressTarget;
 use session_runtime::{Generation, SessionId};
-use worker_relay::token::TokenHash;
+use worker_relay::token::{TokenHash, BIND_TOKEN_HASH_ENV};
 
 use crate::anchor::OabSession;
 use crate::names;
@@ -72,6 +72,21 @@ impl WorkerEgress {
         }
     }
 
+    /// The agent's variables for the gateway: the proxy in upper and lower case (clients read
+    /// one or the other), `NO_PROXY` for loopback and the gateway's own paths (its model
+    /// routes), and the model routes' variables.
+    pub(crate) fn env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
+            env.push((name.to_owned(), self.proxy_url.clone()));
+        }
+        for name in ["NO_PROXY", "no_proxy"] {
+            env.push((name.to_owned(), format!("{NO_PROXY},{}", self.gateway_host)));
+        }
+        env.extend(self.route_env.iter().cloned());
+        env
+    }
+
     /// The proxy URL (for tests).
     #[cfg(test)]
     pub(crate) fn proxy_url(&self) -> &str {
@@ -109,7 +124,123 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         labels.insert(names::PROFILE.to_owned(), names::profile_label(profile.name()));
     }
     metadata.owner_references = Some(vec![owned_by_anchor(spec.id, spec.anchor_uid)]);
+    let mut relay_env = vec![
+        plain_env("OAB_RELAY_SESSION", spec.id.to_string()),
+        plain_env("OAB_RELAY_GENERATION", spec.generation.to_string()),
+        plain_env("OAB_RELAY_TOKEN_SHA256", spec.token_hash.to_hex()),
+    ];
+    if let Some(egress) = spec.egress {
+        relay_env.extend(
+            egress
+                .env()
+                .into_iter()
+                .map(|(name, value)| plain_env(&name, value)),
+        );
+    }
+    let mut pod = pod_body(
+        profile,
+        &Body {
+            dirs: session_dirs(profile, spec.id),
+            claim: spec.claim,
+            prepare: spec.prepare,
+            relay_env,
+            unbound: false,
+            service_account: names::service_account(spec.id, spec.incarnation),
+        },
+    );
+    pod.metadata = metadata;
+    if let Some(pod_spec) = pod.spec.as_mut() {
+        // The profile's maximum lifetime is the kubelet's to enforce: the Pod fails with
+        // `DeadlineExceeded` even if no broker or controller is left to stop it.
+        pod_spec.active_deadline_seconds = profile.max_lifetime.map(deadline_seconds);
+    }
+    pod
+}
 
+/// A Pod deadline of `limit`, in the whole seconds Kubernetes counts.
+pub(crate) fn deadline_seconds(limit: std::time::Duration) -> i64 {
+    i64::try_from(limit.as_secs()).unwrap_or(i64::MAX)
+}
+
+/// A warm pool member: a worker of the profile started with no session (see `pool.rs`).
+#[derive(Debug)]
+pub(crate) struct MemberSpec<'a> {
+    /// The Pod's name, which its own ServiceAccount shares.
+    pub(crate) name: &'a str,
+    pub(crate) installation: &'a str,
+    /// The OabProfile that owns it, by UID.
+    pub(crate) profile_uid: &'a str,
+    /// The hash of the bind token a broker claims it with.
+    pub(crate) bind_hash: &'a TokenHash,
+    /// Which broker key binds it (see `pool::key_label`).
+    pub(crate) key_label: &'a str,
+}
+
+/// The Pod of a warm pool member of `profile`: everything of a worker of the profile but the
+/// session. Its relay starts unbound; a claim gives it the session's labels, owner, deadline
+/// and (by the relay's bind) its identity, token and agent environment.
+pub(crate) fn member_pod(profile: &WorkerProfile, spec: &MemberSpec<'_>) -> Pod {
+    let mut pod = pod_body(
+        profile,
+        &Body {
+            // A volume of its own (pools are for ephemeral storage): the directories at its top.
+            dirs: (WORKSPACE_DIR.to_owned(), HOME_DIR.to_owned()),
+            claim: None,
+            prepare: true,
+            relay_env: vec![plain_env(BIND_TOKEN_HASH_ENV, spec.bind_hash.to_hex())],
+            unbound: true,
+            service_account: spec.name.to_owned(),
+        },
+    );
+    pod.metadata = member_meta(profile, spec);
+    pod
+}
+
+/// The labels and owner of a pool member and of its ServiceAccount.
+pub(crate) fn member_meta(profile: &WorkerProfile, spec: &MemberSpec<'_>) -> ObjectMeta {
+    let labels = BTreeMap::from([
+        (names::MANAGED_BY.to_owned(), names::MANAGER.to_owned()),
+        (
+            names::INSTALLATION.to_owned(),
+            names::installation_label(spec.installation),
+        ),
+        (names::ROLE.to_owned(), names::POOL_ROLE.to_owned()),
+        (names::PROFILE.to_owned(), names::profile_label(profile.name())),
+        (names::POOL_KEY.to_owned(), spec.key_label.to_owned()),
+    ]);
+    let annotations = BTreeMap::from([(names::PROFILE_VERSION.to_owned(), profile.version().to_owned())]);
+    let resource = WorkerProfile::resource();
+    ObjectMeta {
+        name: Some(spec.name.to_owned()),
+        labels: Some(labels),
+        annotations: Some(annotations),
+        owner_references: Some(vec![OwnerReference {
+            api_version: resource.api_version,
+            kind: resource.kind,
+            name: profile.name().to_owned(),
+            uid: spec.profile_uid.to_owned(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        }]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// What differs between a session's worker and a pool member besides their metadata.
+struct Body<'a> {
+    /// The workspace and HOME directories on the volume.
+    dirs: (String, String),
+    claim: Option<&'a str>,
+    prepare: bool,
+    /// The relay's own variables (the session or the bind hash, the gateway's).
+    relay_env: Vec<EnvVar>,
+    unbound: bool,
+    service_account: String,
+}
+
+/// Everything of a worker Pod the profile decides.
+fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
+    let spec = body;
     let mut volumes = vec![
         Volume {
             name: "session".to_owned(),
@@ -138,7 +269,7 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
     // A volume of the session's own may be mounted whole (the relay makes the two directories
     // on it); otherwise the agent mounts only its session's directories, and the init container
     // alone sees the whole volume.
-    let (workspace_dir, home_dir) = session_dirs(profile, spec.id);
+    let (workspace_dir, home_dir) = body.dirs.clone();
     let mut mounts = match &profile.volume_path {
         Some(volume) => vec![VolumeMount {
             name: "session".to_owned(),
@@ -197,25 +328,8 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         });
     }
 
-    let mut env = vec![
-        plain_env("OAB_RELAY_SESSION", spec.id.to_string()),
-        plain_env("OAB_RELAY_GENERATION", spec.generation.to_string()),
-        plain_env("OAB_RELAY_TOKEN_SHA256", spec.token_hash.to_hex()),
-        plain_env("HOME", profile.home_path.clone()),
-    ];
-    if let Some(egress) = spec.egress {
-        // Upper and lower case: clients read one or the other. Loopback and the gateway's own
-        // paths (its model routes) stay direct.
-        for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
-            env.push(plain_env(name, egress.proxy_url.clone()));
-        }
-        for name in ["NO_PROXY", "no_proxy"] {
-            env.push(plain_env(name, format!("{NO_PROXY},{}", egress.gateway_host)));
-        }
-        for (name, value) in &egress.route_env {
-            env.push(plain_env(name, value.clone()));
-        }
-    }
+    let mut env = body.relay_env.clone();
+    env.push(plain_env("HOME", profile.home_path.clone()));
     env.extend(profile.env.iter().map(|secret| EnvVar {
         name: secret.name.clone(),
         value_from: Some(EnvVarSource {
@@ -241,6 +355,9 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         "--term-grace".to_owned(),
         format!("{}ms", profile.termination_grace.as_millis()),
     ];
+    if body.unbound {
+        command.push("--unbound".to_owned());
+    }
     // The kubelet would make a missing subPath as root, which the agent could not write: the
     // relay, as the worker user, makes both directories first, in the worker itself where it
     // sees the whole volume, else in an init container (only where they may be missing).
@@ -299,22 +416,17 @@ pub(crate) fn worker_pod(profile: &WorkerProfile, spec: &WorkerSpec<'_>) -> Pod 
         .unwrap_or(i64::MAX)
         .saturating_add(5);
     Pod {
-        metadata,
+        metadata: ObjectMeta::default(),
         spec: Some(PodSpec {
             init_containers: prepare.map(|prepare| vec![prepare]),
             containers: vec![container],
             volumes: Some(volumes),
             restart_policy: Some("Never".to_owned()),
-            service_account_name: Some(names::service_account(spec.id, spec.incarnation)),
+            service_account_name: Some(body.service_account.clone()),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             share_process_namespace: Some(false),
             termination_grace_period_seconds: Some(grace),
-            // The profile's maximum lifetime is the kubelet's to enforce: the Pod fails with
-            // `DeadlineExceeded` even if no broker or controller is left to stop it.
-            active_deadline_seconds: profile
-                .max_lifetime
-                .map(|limit| i64::try_from(limit.as_secs()).unwrap_or(i64::MAX)),
             runtime_class_name: profile.runtime_class.clone(),
             security_context: Some(restricted_pod()),
             ..PodSpec::default()

@@ -28,6 +28,7 @@
 //! max_lifetime = "8h"                         # default: no limit
 //! termination_grace = "10s"                   # default "10s"
 //! unschedulable_timeout = "2m"                # default: the broker's start_timeout
+//! warm_pool = 4                               # started workers kept ready to claim; default 0
 //!
 //! [resources]                                 # every key optional
 //! cpu_request = "250m"
@@ -110,6 +111,8 @@ pub const RESERVED_ENV_PREFIX: &str = "OAB_RELAY_";
 pub struct WorkerProfile {
     name: String,
     version: String,
+    /// The OabProfile's UID when read from one: what owns the profile's warm pool members.
+    uid: Option<String>,
     /// The worker image. Required; no whitespace. Its entrypoint must be the worker relay.
     pub image: String,
     /// When the kubelet pulls [`image`](Self::image). Default [`PullPolicy::IfNotPresent`].
@@ -189,9 +192,19 @@ pub struct WorkerProfile {
     /// autoscaler may be adding one) before it fails `Unschedulable` and removes the Pod. `None`
     /// (key absent): the broker's `start_timeout`, which also bounds it.
     pub unschedulable_timeout: Option<Duration>,
+    /// How many started workers with no session yet the broker keeps ready for this profile
+    /// (at most [`MAX_WARM_POOL`](Self::MAX_WARM_POOL)): an attach that would start a worker
+    /// claims one instead, binds it to the session and starts the agent in it. 0 (the default):
+    /// every worker starts cold. Only for `ephemeral` storage (a volume made for a session at
+    /// create cannot be mounted into a Pod that is already running), and only for brokers given
+    /// their key ([`broker_key`](crate::KubernetesRuntimeBuilder::broker_key): a member is bound
+    /// with a token of that key); see docs/kubernetes.md.
+    pub warm_pool: u32,
 }
 
 impl WorkerProfile {
+    /// The largest [`warm_pool`](Self::warm_pool): 100 workers.
+    pub const MAX_WARM_POOL: u32 = 100;
     /// The default [`relay_port`](Self::relay_port): 7780.
     pub const DEFAULT_RELAY_PORT: u16 = 7780;
     /// The default [`mount_path`](Self::mount_path): `/workspace`.
@@ -248,7 +261,8 @@ impl WorkerProfile {
             .cloned()
             .unwrap_or_else(|| serde_json::Value::Object(serde_json::Map::new()));
         let document: Document = deserialize_json(spec, &format!("profile/{name}"))?;
-        let profile = document.into_profile(name, version);
+        let mut profile = document.into_profile(name, version);
+        profile.uid = object.metadata.uid.clone();
         profile.validate()?;
         Ok(profile)
     }
@@ -276,6 +290,11 @@ impl WorkerProfile {
     /// The profile's version: the OabProfile's `metadata.resourceVersion` when it was read.
     pub fn version(&self) -> &str {
         &self.version
+    }
+
+    /// The OabProfile's UID, for a profile read from one.
+    pub(crate) fn uid(&self) -> Option<&str> {
+        self.uid.as_deref()
     }
 
     /// An [`Error::InvalidConfig`] for `key` of this profile.
@@ -313,7 +332,31 @@ impl WorkerProfile {
                 .map_err(|reason| self.invalid("egress", format!("entry {}: {reason}", index + 1)))?;
         }
         self.check_gateway()?;
+        self.check_warm_pool()?;
         self.check_durations()
+    }
+
+    /// A pool holds started Pods, so what each session gets at create must be nothing a Pod
+    /// mounts: only ephemeral storage qualifies.
+    fn check_warm_pool(&self) -> Result<(), Error> {
+        if self.warm_pool > Self::MAX_WARM_POOL {
+            return Err(self.invalid(
+                "warm_pool",
+                format!(
+                    "{} is more than the most allowed, {}; e.g. warm_pool = 4",
+                    self.warm_pool,
+                    Self::MAX_WARM_POOL
+                ),
+            ));
+        }
+        if self.warm_pool > 0 && !matches!(self.storage, Storage::Ephemeral { .. }) {
+            return Err(self.invalid(
+                "warm_pool",
+                "needs storage kind = \"ephemeral\": a session's own or borrowed volume is \
+                 chosen at create, after a warm worker has started without it; use warm_pool = 0",
+            ));
+        }
+        Ok(())
     }
 
     /// The image and the agent's argv.
@@ -1098,6 +1141,7 @@ struct Document {
     termination_grace: Duration,
     #[serde(with = "serde_duration::option")]
     unschedulable_timeout: Option<Duration>,
+    warm_pool: u32,
 }
 
 impl Default for Document {
@@ -1127,6 +1171,7 @@ impl Default for Document {
             retention: None,
             termination_grace: WorkerProfile::DEFAULT_TERMINATION_GRACE,
             unschedulable_timeout: None,
+            warm_pool: 0,
         }
     }
 }
@@ -1152,6 +1197,7 @@ impl Document {
         WorkerProfile {
             name: name.to_owned(),
             version: version.to_owned(),
+            uid: None,
             image: self.image,
             image_pull_policy: self.image_pull_policy,
             agent: self.agent,
@@ -1176,6 +1222,7 @@ impl Document {
             retention: self.retention,
             termination_grace: self.termination_grace,
             unschedulable_timeout: self.unschedulable_timeout,
+            warm_pool: self.warm_pool,
         }
     }
 }
@@ -1405,6 +1452,7 @@ mod tests {
         let expected = WorkerProfile {
             name: NAME.to_owned(),
             version: "42".to_owned(),
+            uid: None,
             image: "registry.example/worker@sha256:0123".to_owned(),
             image_pull_policy: PullPolicy::Always,
             agent: vec!["/usr/bin/agent".into(), "--acp".into(), "--model=opus".into()],
@@ -1479,6 +1527,7 @@ mod tests {
             }),
             termination_grace: Duration::from_secs(30),
             unschedulable_timeout: Some(Duration::from_secs(300)),
+            warm_pool: 0,
         };
         assert_eq!(profile, expected);
         assert_eq!(profile.name(), NAME);
@@ -1946,6 +1995,30 @@ mod tests {
         for good in ["0.0.0.0/0", "10.1.2.3/32", "::/0", "2001:db8::/32"] {
             assert_eq!(check_cidr(good), Ok(()), "{good}");
         }
+    }
+
+    #[test]
+    fn a_warm_pool_needs_ephemeral_storage_and_a_bound() {
+        assert_refused(
+            "warm_pool = 2\n",
+            "profile/isolated-worker.warm_pool",
+            "needs storage kind = \"ephemeral\"",
+        );
+        assert_refused(
+            "warm_pool = 101\n[storage]\nkind = \"ephemeral\"\n",
+            "profile/isolated-worker.warm_pool",
+            "more than the most allowed, 100",
+        );
+        assert_refused("warm_pool = -1\n", "profile/isolated-worker.warm_pool", "");
+        let pooled = WorkerProfile::from_toml(
+            NAME,
+            "1",
+            &format!("{MINIMAL}warm_pool = 3\n[storage]\nkind = \"ephemeral\"\n"),
+        )
+        .expect("an ephemeral profile may keep a pool");
+        assert_eq!(pooled.warm_pool, 3);
+        let cold = WorkerProfile::from_toml(NAME, "1", MINIMAL).expect("minimal profile");
+        assert_eq!(cold.warm_pool, 0, "no pool unless asked for");
     }
 
     #[test]

@@ -31,10 +31,34 @@ pub(crate) struct Policy {
 
 pub(crate) async fn run(runtime: &KubernetesRuntime) -> Result<ReconcileReport> {
     let started = std::time::Instant::now();
-    let report = pass(runtime).await?;
+    let mut report = pass(runtime).await?;
+    keep_pool(runtime, &mut report).await;
     telemetry::reconciled(RUNTIME, started.elapsed());
     count_actions(&report);
     Ok(report)
+}
+
+/// Refills the profile's warm pool and trims it (see `pool.rs`). A broker whose key was not
+/// given keeps no pool; a profile it cannot read is left to the next attach to report.
+async fn keep_pool(runtime: &KubernetesRuntime, report: &mut ReconcileReport) {
+    if !runtime.shared_key {
+        return;
+    }
+    let profile = match runtime.profile().await {
+        Ok(profile) => profile,
+        Err(error) => {
+            tracing::debug!("no profile to keep a warm pool of: {error}");
+            return;
+        }
+    };
+    match runtime.refill_pool(&profile).await {
+        Ok(refill) => {
+            report.warm_started.extend(refill.started);
+            report.warm_trimmed.extend(refill.trimmed);
+            report.errors.extend(refill.errors);
+        }
+        Err(error) => report.errors.push(format!("keeping the warm pool: {error}")),
+    }
 }
 
 /// Counts what a pass, or one session's reconcile, did ([`telemetry::RECONCILE_ACTIONS`]).
@@ -47,6 +71,8 @@ pub(crate) fn count_actions(report: &ReconcileReport) {
         ("expire_record", report.expired_records.len()),
         ("report_orphaned_storage", report.orphaned_storage.len()),
         ("report_lost_storage", report.lost_storage.len()),
+        ("start_warm_worker", report.warm_started.len()),
+        ("trim_warm_worker", report.warm_trimmed.len()),
         ("error", report.errors.len()),
     ] {
         telemetry::reconcile_actions(RUNTIME, action, count);

@@ -72,6 +72,11 @@ pub(crate) struct WorkerRecord {
     /// (and the same key) may take it over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) holder_epoch: Option<u64>,
+    /// The Pod's name when it is not `oab-w-<session id>`: a warm pool member this generation
+    /// claimed (a Pod's name cannot change). Written before the claim, so whoever reads the
+    /// record finds the Pod; the Pod is the session's only once it carries the session's labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) pod: Option<String>,
 }
 
 /// What a close decided for the storage.
@@ -311,6 +316,15 @@ impl SessionRecord {
         serde_json::to_value(self).unwrap_or_default()
     }
 
+    /// The name of the current generation's worker Pod: the warm pool member it claimed, or
+    /// `oab-w-<session id>` for a worker started cold.
+    pub(crate) fn worker_pod(&self) -> String {
+        self.worker
+            .as_ref()
+            .and_then(|worker| worker.pod.clone())
+            .unwrap_or_else(|| names::worker(&self.id))
+    }
+
     pub(crate) fn state(&self) -> SessionState {
         match self.phase {
             Phase::Provisioning => SessionState::Created,
@@ -351,7 +365,7 @@ impl SessionRecord {
             .filter(|_| self.state() == SessionState::Running)
             .map(|worker| {
                 WorkerInfo::new(
-                    format!("pod/{}", names::worker(&self.id)),
+                    format!("pod/{}", self.worker_pod()),
                     worker.generation,
                     instant(worker.started_at),
                 )

@@ -41,7 +41,7 @@ use crate::start::{progress, Progress};
 use crate::{names, RUNTIME};
 
 /// How often a Pod is looked at when it cannot be watched, and while a broker connects to it.
-const POLL: Duration = Duration::from_millis(200);
+pub(crate) const POLL: Duration = Duration::from_millis(200);
 /// The longest one watch of a starting or stopping Pod lasts before the Pod is read again (so a
 /// slow change, like a scheduler's reason, is seen).
 const WATCH_SLICE: Duration = Duration::from_secs(5);
@@ -67,10 +67,13 @@ pub struct KubernetesRuntime {
     installation: String,
     retention: RetentionPolicy,
     pub(crate) housekeeping: Housekeeping,
-    key: BrokerKey,
+    pub(crate) key: BrokerKey,
     /// Whether the key was given (so other brokers may hold it too): only then can this broker
     /// take over a worker another broker started.
-    shared_key: bool,
+    pub(crate) shared_key: bool,
+    /// Which key binds the warm pool members this broker may claim (see `pool.rs`).
+    pub(crate) pool_key: String,
+    pub(crate) pool: Arc<crate::pool::PoolState>,
     epoch: u64,
     /// The egress gateway's key, for workers whose profile names a gateway.
     egress_gateway_key: Option<GatewayKey>,
@@ -308,6 +311,8 @@ impl KubernetesRuntimeBuilder {
             installation: self.installation,
             retention: self.retention,
             housekeeping: self.housekeeping,
+            pool_key: crate::pool::key_label(&key),
+            pool: Arc::default(),
             key,
             shared_key,
             epoch,
@@ -468,7 +473,11 @@ impl KubernetesRuntime {
     ///
     /// [`Error::InvalidConfig`] naming `egress_gateway_key_file` when the profile names a gateway
     /// and this runtime has no key for it.
-    fn worker_egress(&self, id: &SessionId, profile: &WorkerProfile) -> Result<Option<WorkerEgress>> {
+    pub(crate) fn worker_egress(
+        &self,
+        id: &SessionId,
+        profile: &WorkerProfile,
+    ) -> Result<Option<WorkerEgress>> {
         let Some(gateway) = &profile.egress_gateway else {
             return Ok(None);
         };
@@ -736,39 +745,66 @@ impl KubernetesRuntime {
         }
     }
 
-    /// The worker Pod, if one is there and it is the session's.
-    pub(crate) async fn worker(&self, id: &SessionId) -> Result<Option<Pod>> {
-        let name = names::worker(id);
+    /// The worker Pod `name` (see [`SessionRecord::worker_pod`]), if one is there and it is the
+    /// session's. Under the session's own worker name another object is foreign; a warm pool
+    /// member the record names is the session's only once the claim relabelled it, and until
+    /// then (or if another session won it) it is simply not this session's worker.
+    pub(crate) async fn worker(&self, id: &SessionId, name: &str) -> Result<Option<Pod>> {
         let pod = self
             .pods()
             .await?
-            .get_opt(&name)
+            .get_opt(name)
             .await
             .map_err(|e| api_error(&format!("reading worker {name}"), e))?;
         match pod {
-            Some(pod) if !names::belongs_to(&pod.metadata, id) => Err(foreign(id, "worker Pod", &name)),
+            Some(pod) if !names::belongs_to(&pod.metadata, id) => {
+                if name == names::worker(id) {
+                    Err(foreign(id, "worker Pod", name))
+                } else {
+                    Ok(None)
+                }
+            }
             other => Ok(other),
         }
     }
 
-    /// Deletes the worker Pod (that exact Pod: UID precondition) and waits until it is gone. A
-    /// Pod newer than `generation` is left alone: it is a later attach's, which this call's
-    /// record predates.
+    /// Deletes the session's worker Pods up to `generation` (each that exact Pod: UID
+    /// precondition) and waits until they are gone. A Pod newer than `generation` is left alone:
+    /// it is a later attach's, which this call's record predates. Found by the session's label,
+    /// not a name: a record that no longer has a worker does not say whether its last one was
+    /// started cold (`oab-w-<id>`) or a claimed pool member.
     pub(crate) async fn stop_worker(
         &self,
         id: &SessionId,
         generation: Generation,
         grace: Option<u32>,
     ) -> Result<bool> {
-        let Some(pod) = self.worker(id).await? else {
-            return Ok(false);
-        };
-        if names::pod_generation(&pod.metadata).is_some_and(|theirs| theirs > generation) {
-            return Ok(false);
+        let mut stopped = false;
+        for pod in self.workers_of(id).await? {
+            if names::pod_generation(&pod.metadata).is_some_and(|theirs| theirs > generation) {
+                continue;
+            }
+            self.delete_pod(&pod, grace).await?;
+            self.await_gone(id, &pod).await?;
+            stopped = true;
         }
-        self.delete_pod(&pod, grace).await?;
-        self.await_gone(id, &pod).await?;
-        Ok(true)
+        Ok(stopped)
+    }
+
+    /// The session's worker Pods, by its label (whatever their names), that are the session's.
+    async fn workers_of(&self, id: &SessionId) -> Result<Vec<Pod>> {
+        let selector = format!("{}={id},{}=worker", names::SESSION, names::ROLE);
+        let listed = self
+            .pods()
+            .await?
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| api_error(&format!("listing the worker Pods of session {id}"), e))?;
+        Ok(listed
+            .items
+            .into_iter()
+            .filter(|pod| names::belongs_to(&pod.metadata, id))
+            .collect())
     }
 
     pub(crate) async fn delete_pod(&self, pod: &Pod, grace: Option<u32>) -> Result<()> {
@@ -794,6 +830,7 @@ impl KubernetesRuntime {
     async fn await_gone(&self, id: &SessionId, pod: &Pod) -> Result<()> {
         let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
         let uid = pod.uid().unwrap_or_default();
+        let name = pod.name_any();
         loop {
             // The watch's list says at once if it is gone already.
             let now = tokio::time::Instant::now();
@@ -801,11 +838,11 @@ impl KubernetesRuntime {
                 Observed::Pod(current) => current.uid().as_deref() != Some(uid.as_str()),
                 Observed::Absent { deleted } => *deleted,
             };
-            if let Watched::Met(_) = self.watch_worker(id, &uid, deadline - now, gone).await {
+            if let Watched::Met(_) = self.watch_worker(&name, &uid, deadline - now, gone).await {
                 return Ok(());
             }
             // Not within the slice, or the watch failed: a read says.
-            match self.worker(id).await? {
+            match self.worker(id, &name).await? {
                 Some(current) if current.uid() == pod.uid() => {}
                 _ => return Ok(()),
             }
@@ -813,10 +850,7 @@ impl KubernetesRuntime {
                 return Err(Error::Backend {
                     runtime: RUNTIME,
                     retryable: true,
-                    message: format!(
-                        "worker {} did not go away within {STOP_TIMEOUT:?}",
-                        names::worker(id)
-                    ),
+                    message: format!("worker {name} did not go away within {STOP_TIMEOUT:?}"),
                     source: None,
                 });
             }
@@ -829,7 +863,7 @@ impl KubernetesRuntime {
     /// one poll interval at most and says nothing: the caller reads the Pod itself.
     async fn watch_worker(
         &self,
-        id: &SessionId,
+        name: &str,
         uid: &str,
         limit: Duration,
         done: impl Fn(&Observed) -> bool,
@@ -840,11 +874,10 @@ impl KubernetesRuntime {
             tokio::time::sleep(POLL.min(limit)).await;
             return Watched::Unknown;
         };
-        let name = names::worker(id);
         let mut changes = watch.changes();
         loop {
             changes.borrow_and_update();
-            let until = match watch.observe(&name, uid) {
+            let until = match watch.observe(name, uid) {
                 Some(observed) if done(&observed) => {
                     return Watched::Met(match observed {
                         Observed::Pod(pod) => Some(pod),
@@ -908,7 +941,7 @@ impl KubernetesRuntime {
             // waits for that), so a Pod in the way is the exception, which the conflict shows.
             let previous = match attempt {
                 0 => None,
-                _ => self.worker(id).await?,
+                _ => self.worker(id, &names::worker(id)).await?,
             };
             if let Some(previous) = previous {
                 let ours = previous.metadata.deletion_timestamp.is_none()
@@ -976,7 +1009,7 @@ impl KubernetesRuntime {
         loop {
             let pod = match seen.take() {
                 Some(pod) => Some(pod),
-                None => self.worker(id).await?,
+                None => self.worker(id, &names::worker(id)).await?,
             };
             let Some(pod) = pod else {
                 // Deleted while it started: by a broker that attached after this one (fenced), or
@@ -1024,7 +1057,12 @@ impl KubernetesRuntime {
                 Observed::Absent { deleted } => *deleted,
             };
             if let Watched::Met(Some(pod)) = self
-                .watch_worker(id, &uid, wait_until.saturating_duration_since(now), started)
+                .watch_worker(
+                    &names::worker(id),
+                    &uid,
+                    wait_until.saturating_duration_since(now),
+                    started,
+                )
                 .await
             {
                 if !names::belongs_to(&pod.metadata, id) {
@@ -1033,6 +1071,41 @@ impl KubernetesRuntime {
                 seen = Some(*pod);
             }
         }
+    }
+
+    /// Claims the warm `member` the record names and binds it to the record's generation; if
+    /// another broker claimed it first (or it went), puts the cold worker's name back on the
+    /// record and starts that one.
+    async fn start_warm(
+        &self,
+        id: &SessionId,
+        anchor: &OabSession,
+        record: &SessionRecord,
+        profile: &WorkerProfile,
+        member: &Pod,
+    ) -> Result<Pod> {
+        self.apply_egress(profile).await?;
+        if let Some(pod) = self.claim_member(id, anchor, record, member, profile).await? {
+            self.bind_member(id, &pod, record, profile).await?;
+            tracing::info!(session = %id, generation = record.generation, worker = %pod.name_any(), "claimed a warm worker");
+            return Ok(pod);
+        }
+        let name = member.name_any();
+        let generation = record.generation;
+        let (anchor, cold) = self
+            .update(id, |latest| {
+                if latest.generation != generation {
+                    return Err(fenced(id, generation, latest.generation));
+                }
+                let mut next = latest.clone();
+                match next.worker.as_mut() {
+                    Some(worker) if worker.pod.as_deref() == Some(name.as_str()) => worker.pod = None,
+                    _ => return Ok(None),
+                }
+                Ok(Some(next))
+            })
+            .await?;
+        self.start_worker(id, &anchor, &cold, profile).await
     }
 
     /// Why the node never made the Pod's sandbox, in the kubelet's words, if that is what held
@@ -1066,11 +1139,11 @@ impl KubernetesRuntime {
         )))
     }
 
-    async fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {
+    pub(crate) async fn connector(&self, id: &SessionId, pod: &Pod, port: u16) -> Result<Arc<dyn Connector>> {
         match self.reach {
             Reach::Exec => Ok(Arc::new(ExecConnector::new(
                 self.pods().await?.clone(),
-                names::worker(id),
+                pod.name_any(),
                 port,
             ))),
             _ => {
@@ -1121,9 +1194,18 @@ impl KubernetesRuntime {
                 return Ok(attachment);
             }
         }
+        // A warm worker, where the profile keeps them and the session has no volume a Pod
+        // must be started with.
+        let ephemeral = read
+            .as_ref()
+            .is_none_or(|(_, record)| record.volume == crate::record::Volume::Ephemeral);
+        let member = match ephemeral {
+            true => self.pick_member(&profile).await,
+            false => None,
+        };
         let mut generation = 0;
         let mut before = None;
-        let (anchor, record) = self
+        let updated = self
             .update_from(id, read, |record| {
                 let state = record.state();
                 if record.phase == Phase::Provisioning || !state.can_attach() {
@@ -1152,13 +1234,28 @@ impl KubernetesRuntime {
                     pod_uid: None,
                     started_at: now(),
                     holder_epoch: Some(self.epoch),
+                    pod: member
+                        .as_ref()
+                        .filter(|_| record.volume == crate::record::Volume::Ephemeral)
+                        .map(ResourceExt::name_any),
                 });
                 next.last_activity = now();
                 next.profile_version = Some(profile.version().to_owned());
                 generation = next.generation;
                 Ok(Some(next))
             })
-            .await?;
+            .await;
+        let named =
+            |record: &SessionRecord| record.worker.as_ref().is_some_and(|worker| worker.pod.is_some());
+        let member = match (member, &updated) {
+            (Some(member), Ok((_, record))) if named(record) => Some(member),
+            (Some(member), _) => {
+                self.unpick(&member);
+                None
+            }
+            (None, _) => None,
+        };
+        let (anchor, record) = updated?;
         let start = StartKind::of(
             before
                 .as_ref()
@@ -1176,7 +1273,10 @@ impl KubernetesRuntime {
             }),
         );
         let _ = self.retire_previous(id, generation, Duration::ZERO).await;
-        let error = match self.start_and_open(id, &anchor, &record, &profile, start).await {
+        let error = match self
+            .start_and_open(id, &anchor, &record, &profile, start, member)
+            .await
+        {
             Ok(attachment) => {
                 in_flight.release();
                 telemetry::attached(RUNTIME, start, started.elapsed());
@@ -1212,7 +1312,8 @@ impl KubernetesRuntime {
         Err(error)
     }
 
-    /// Starts the worker of the generation `record` holds and connects to it.
+    /// Starts the worker of the generation `record` holds, or claims the warm `member` the
+    /// record names, and connects to it.
     async fn start_and_open(
         &self,
         id: &SessionId,
@@ -1220,10 +1321,14 @@ impl KubernetesRuntime {
         record: &SessionRecord,
         profile: &WorkerProfile,
         start: StartKind,
+        member: Option<Pod>,
     ) -> Result<Attachment> {
         let generation = record.generation;
         let starting = Instant::now();
-        let pod = self.start_worker(id, anchor, record, profile).await?;
+        let pod = match member {
+            Some(member) => self.start_warm(id, anchor, record, profile, &member).await?,
+            None => self.start_worker(id, anchor, record, profile).await?,
+        };
         telemetry::worker_ready(RUNTIME, start, starting.elapsed());
         // Another broker may have taken a newer generation, or suspended or closed the session,
         // while this one started: then this worker must not serve.
@@ -1307,7 +1412,7 @@ impl KubernetesRuntime {
         if held.generation != record.generation || held.holder_epoch.is_none_or(|epoch| epoch >= self.epoch) {
             return Ok(None);
         }
-        let Some(pod) = self.worker(id).await?.filter(|pod| {
+        let Some(pod) = self.worker(id, &record.worker_pod()).await?.filter(|pod| {
             pod.metadata.deletion_timestamp.is_none()
                 && names::pod_generation(&pod.metadata) == Some(record.generation)
                 && matches!(progress(pod), Progress::Ready)
@@ -1410,10 +1515,11 @@ impl KubernetesRuntime {
                 () = tokio::time::sleep(POLL) => {}
             }
             // As the shared watch saw it, else (not listed yet, or not seen yet) as read.
-            let current = match self.worker_watch().await?.observe(&names::worker(id), &uid) {
+            let name = pod.name_any();
+            let current = match self.worker_watch().await?.observe(&name, &uid) {
                 Some(Observed::Pod(current)) => Some(*current),
                 Some(Observed::Absent { deleted: true }) => None,
-                Some(Observed::Absent { deleted: false }) | None => self.worker(id).await?,
+                Some(Observed::Absent { deleted: false }) | None => self.worker(id, &name).await?,
             };
             match current {
                 Some(current) if current.uid() == pod.uid() => {
@@ -1700,10 +1806,13 @@ impl KubernetesRuntime {
     /// # Errors
     /// [`Error::Backend`] if the API server could not be read.
     async fn surviving_numbers(&self, id: &SessionId) -> Result<(Generation, u64)> {
+        // By label, not name: an earlier record's worker may have been a claimed pool member.
         let generation = self
-            .worker(id)
+            .workers_of(id)
             .await?
-            .and_then(|pod| names::pod_generation(&pod.metadata))
+            .iter()
+            .filter_map(|pod| names::pod_generation(&pod.metadata))
+            .max()
             .unwrap_or(0);
         let prefix = format!("{}-", names::storage(id, 0).trim_end_matches("-0"));
         let claims = self
@@ -1785,10 +1894,11 @@ impl Drop for KubernetesRuntime {
     fn drop(&mut self) {
         // The renewals stop with the runtime: its attachments no longer count as live.
         self.live.lock().clear();
+        self.pool.stop();
     }
 }
 
-fn jiff_now() -> k8s_openapi::jiff::Timestamp {
+pub(crate) fn jiff_now() -> k8s_openapi::jiff::Timestamp {
     k8s_openapi::jiff::Timestamp::now()
 }
 
@@ -1972,15 +2082,17 @@ impl KubernetesRuntime {
             .await
     }
 
-    async fn worker_watch(&self) -> Result<&crate::loss::WorkerWatch> {
+    /// The shared watch of the installation's workers and warm pool members.
+    pub(crate) async fn worker_watch(&self) -> Result<&crate::loss::WorkerWatch> {
         let pods = self.pods().await?;
         Ok(self.workers.get_or_init(|| {
             crate::loss::WorkerWatch::new(
                 pods.clone(),
                 format!(
-                    "{},{}=worker",
+                    "{},{} in (worker,{})",
                     names::installation_selector(&self.installation),
-                    names::ROLE
+                    names::ROLE,
+                    names::POOL_ROLE
                 ),
             )
         }))

@@ -426,7 +426,7 @@ impl KubernetesRuntime {
             })
             .await?;
         // A suspend deletes the Pod and waits for it; one a crashed broker left is still there.
-        if let Some(pod) = self.worker(source).await? {
+        if let Some(pod) = self.worker(source, &record.worker_pod()).await? {
             self.end_loan(source, to).await;
             return Err(Error::StorageInUse {
                 id: *source,
@@ -678,6 +678,7 @@ mod tests {
             pod_uid: None,
             started_at: 0,
             holder_epoch: None,
+            pod: None,
         });
         assert!(matches!(refusal(&running, &fork), Some(Error::StorageInUse { id, .. }) if id == source.id));
 

@@ -382,6 +382,12 @@ pub struct ReconcileReport {
     /// Sessions whose storage was found gone without their runtime, with what was lost. Each is
     /// recorded on the session (its status says [`StorageState::Lost`]) and reported once.
     pub lost_storage: Vec<(SessionId, String)>,
+    /// Warm workers (started for no session yet, for a backend that keeps a pool of them) this
+    /// pass started to fill its pool, by name.
+    pub warm_started: Vec<String>,
+    /// Warm workers this pass removed: of an older profile version or another key, or beyond
+    /// the pool's size. A claimed one is a session's worker and never among them.
+    pub warm_trimmed: Vec<String>,
     /// Problems that did not stop the pass; the next pass retries them.
     pub errors: Vec<String>,
 }
@@ -396,6 +402,8 @@ impl ReconcileReport {
             && self.expired_storage.is_empty()
             && self.expired_records.is_empty()
             && self.lost_storage.is_empty()
+            && self.warm_started.is_empty()
+            && self.warm_trimmed.is_empty()
             && self.errors.is_empty()
     }
 }
