@@ -28,6 +28,10 @@
 //!    reply and a resume's (median and p95 of 20 each), a bare Pod of the image under each, and
 //!    the memory each worker Pod costs the node (proportional set size of its processes and its
 //!    containerd shim, read from the node's `/proc`).
+//! 7. On the real node, the warm pool (`warm_pool = 2`, ephemeral storage, a broker with its key):
+//!    a new session's attach and first ACP reply when it claims a warm worker, against a bare Pod
+//!    of the same image to Ready and a cold first reply of the same profile with the pool empty,
+//!    interleaved (median and p95 of 20 each; the pool is refilled between samples).
 //!
 //! `OAB_BENCH_PARTS=2,5` runs only those parts; `OAB_BENCH_LAYOUTS=1,3` only those layouts of
 //! part 2 (numbered from 0 as listed); `RUST_LOG` (e.g. `runtime_kubernetes=debug`) logs the
@@ -203,7 +207,26 @@ async fn run() {
             .expect("the gVisor profile");
         gvisor_against_runc(&cluster, &build(&whole_ephemeral), &build(&gvisor), &installation).await;
     }
+    let warm = format!("{installation}-warm");
+    if part("7") {
+        maps.create(
+            &PostParams::default(),
+            &profile(&warm, &format!("warm_pool = 2\n{WORKER}")),
+        )
+        .await
+        .expect("the pooled profile");
+        let mut config = KubernetesConfig::new(cluster.sessions_namespace(), &warm);
+        config.reach = Reach::PodIp;
+        let pooled = KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
+            .installation(&installation)
+            .broker_key(worker_relay::BrokerKey::new(vec![9; 32]))
+            .build()
+            .expect("a broker with its key");
+        warm_against_a_bare_pod(&cluster, &pooled, &build(&warm), &installation).await;
+        // The pool goes with its profile (the members are the OabProfile's).
+    }
     for name in [
+        &warm,
         &installation,
         &with_volume,
         &whole_volume,
@@ -922,4 +945,96 @@ async fn node_memory(pods: &Api<Pod>, session: &str) -> u64 {
         members.insert(pid);
     }
     members.iter().chain(&shims).map(|pid| pss(pid)).sum()
+}
+
+/// Part 7: a warm claim's first reply, a cold one of the same profile (a broker without a key
+/// keeps no pool) and a bare Pod, interleaved.
+async fn warm_against_a_bare_pod(
+    cluster: &TestCluster,
+    pooled: &KubernetesRuntime,
+    cold: &KubernetesRuntime,
+    installation: &str,
+) {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let members = ListParams::default().labels(&format!(
+        "openab.dev/installation={installation},openab.dev/role=pool"
+    ));
+    let (mut bare, mut warm_attach, mut warm_first, mut cold_first) = (vec![], vec![], vec![], vec![]);
+    // The broker's watch lists the members once before the first sample.
+    for sample in 0..=SAMPLES {
+        wait_until("the pool to be full", Duration::from_secs(120), || async {
+            pooled.reconcile().await.ok()?;
+            let listed = pods.list(&members).await.ok()?;
+            let ready = listed
+                .items
+                .iter()
+                .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+                .filter(|pod| {
+                    pod.status
+                        .as_ref()
+                        .and_then(|status| status.conditions.as_ref())
+                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+                })
+                .count();
+            (ready == 2).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let identity =
+            SessionIdentity::new(installation, "agent", "bench", format!("warm-{sample}")).expect("identity");
+        let id = identity.id();
+        pooled
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        let started = Instant::now();
+        let attachment = pooled.attach(&id).await.expect("a warm attach");
+        let attached = started.elapsed();
+        let client = AcpClient::new(attachment);
+        client.initialize().await.expect("the first ACP reply");
+        let first = started.elapsed();
+        let worker = pooled
+            .status(&id)
+            .await
+            .expect("status")
+            .worker
+            .map(|w| w.worker_id);
+        drop(client);
+        pooled.close(&id, CloseReason::Reset).await.expect("close");
+        if sample == 0 {
+            continue;
+        }
+        assert!(
+            worker.as_deref().is_some_and(|w| w.starts_with("pod/oab-m-")),
+            "sample {sample} started warm: {worker:?}"
+        );
+        warm_attach.push(attached);
+        warm_first.push(first);
+        let pod = restricted_pod(
+            &format!("{installation}-warm-bare-{sample}"),
+            "openab.dev/worker:test",
+            &["/bin/sleep", "3600"],
+        );
+        bare.push(bare_pod_to_ready(&pods, pod).await);
+        let [_, first, _] = new_session_and_resume(cold, installation, &format!("cold-{sample}")).await;
+        cold_first.push(first);
+    }
+    let row = |label: &str, samples: &[Duration]| {
+        let mut sorted = samples.to_vec();
+        sorted.sort();
+        let median = sorted[sorted.len() / 2];
+        let p95 = percentile(&mut sorted, 0.95);
+        println!("  {label:<28} median {median:>9.1?}  p95 {p95:>9.1?}");
+        median
+    };
+    println!("the warm pool: a new session's first ACP reply from a warm worker, against a bare Pod to Ready and a cold first reply ({SAMPLES} each):");
+    let bare = row("bare Pod", &bare);
+    row("warm attach returned", &warm_attach);
+    let warm = row("warm first ACP reply", &warm_first);
+    let cold = row("cold first ACP reply", &cold_first);
+    println!(
+        "  ratio of medians: warm first reply {:.2}x the bare Pod, {:.2}x the cold first reply",
+        warm.as_secs_f64() / bare.as_secs_f64(),
+        warm.as_secs_f64() / cold.as_secs_f64()
+    );
 }

@@ -52,8 +52,17 @@ fn key() -> BrokerKey {
 }
 
 fn broker(cluster: &TestCluster, profile: &AdminObject, installation: &str) -> Arc<KubernetesRuntime> {
+    broker_over(cluster, profile, installation, Reach::PodIp)
+}
+
+fn broker_over(
+    cluster: &TestCluster,
+    profile: &AdminObject,
+    installation: &str,
+    reach: Reach,
+) -> Arc<KubernetesRuntime> {
     Arc::new(
-        builder(cluster, profile, Reach::PodIp, installation)
+        builder(cluster, profile, reach, installation)
             .broker_key(key())
             .build()
             .expect("a broker"),
@@ -450,11 +459,12 @@ async fn a_profile_change_replaces_the_members_and_leaves_claimed_workers_alone(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
-async fn two_sessions_that_started_warm_cannot_touch_each_other() {
+async fn two_sessions_that_started_warm_cannot_touch_each_other_over_exec() {
     let installation = unique_name("warm-isolation");
     let cluster = TestCluster::connect().await;
     let profile = AdminObject::profile(&cluster, &installation, &pooled_profile(2, "")).await;
-    let runtime = broker(&cluster, &profile, &installation);
+    // Over pods/exec: the claimed members are reached through the exec policy's bridge too.
+    let runtime = broker_over(&cluster, &profile, &installation, Reach::Exec);
     filled(&cluster, &runtime, &installation, 2).await;
     let warmup = new_session(&runtime, &installation, "warmup").await;
     drop(runtime.attach(&warmup).await.expect("attach"));
