@@ -31,7 +31,10 @@
 //! 7. On the real node, the warm pool (`warm_pool = 2`, ephemeral storage, a broker with its key):
 //!    a new session's attach and first ACP reply when it claims a warm worker, against a bare Pod
 //!    of the same image to Ready and a cold first reply of the same profile with the pool empty,
-//!    interleaved (median and p95 of 20 each; the pool is refilled between samples).
+//!    interleaved (median and p95 of 20 each; the pool is refilled between samples); the API
+//!    requests of a warm lifecycle (create, warm attach, close), the refill the claim starts
+//!    counted apart; and a burst of 20 attaches at once with a pool of 10 (first-reply p50 and
+//!    p99, and how many started warm).
 //!
 //! `OAB_BENCH_PARTS=2,5` runs only those parts; `OAB_BENCH_LAYOUTS=1,3` only those layouts of
 //! part 2 (numbered from 0 as listed); `RUST_LOG` (e.g. `runtime_kubernetes=debug`) logs the
@@ -49,7 +52,7 @@ use session_runtime::testing::AcpClient;
 use session_runtime::{CloseReason, CreateOptions, SessionIdentity, SessionRuntime, SuspendReason};
 use test_cluster::faults::Faults;
 use test_cluster::k8s_openapi::api::core::v1::Pod;
-use test_cluster::kube::api::{DeleteParams, DynamicObject, ListParams, PostParams};
+use test_cluster::kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::{restricted_pod, unique_name, wait_until, TestCluster};
 
@@ -217,12 +220,20 @@ async fn run() {
         .expect("the pooled profile");
         let mut config = KubernetesConfig::new(cluster.sessions_namespace(), &warm);
         config.reach = Reach::PodIp;
-        let pooled = KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
-            .installation(&installation)
-            .broker_key(worker_relay::BrokerKey::new(vec![9; 32]))
-            .build()
-            .expect("a broker with its key");
+        let pooled = std::sync::Arc::new(
+            KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
+                .installation(&installation)
+                .broker_key(worker_relay::BrokerKey::new(vec![9; 32]))
+                .build()
+                .expect("a broker with its key"),
+        );
         warm_against_a_bare_pod(&cluster, &pooled, &build(&warm), &installation).await;
+        warm_requests(&cluster, &pooled, &faults, &installation).await;
+        let spec = serde_json::json!({ "spec": { "warm_pool": BURST_POOL } });
+        maps.patch(&warm, &PatchParams::default(), &Patch::Merge(&spec))
+            .await
+            .expect("a larger pool");
+        burst_with_a_pool(&cluster, &pooled, &installation).await;
         // The pool goes with its profile (the members are the OabProfile's).
     }
     for name in [
@@ -947,6 +958,144 @@ async fn node_memory(pods: &Api<Pod>, session: &str) -> u64 {
     members.iter().chain(&shims).map(|pid| pss(pid)).sum()
 }
 
+/// Part 7's pool for its burst, and the burst.
+const BURST_POOL: usize = 10;
+const BURST: usize = 20;
+
+/// Runs reconcile passes until the installation's pool holds `size` ready members.
+async fn pool_full(cluster: &TestCluster, pooled: &KubernetesRuntime, installation: &str, size: usize) {
+    members_ready(cluster, Some(pooled), installation, size).await;
+}
+
+/// Waits until the installation's pool holds `size` ready members, running reconcile passes of
+/// `pooled` meanwhile if given (else the broker's own refills fill it).
+async fn members_ready(
+    cluster: &TestCluster,
+    pooled: Option<&KubernetesRuntime>,
+    installation: &str,
+    size: usize,
+) {
+    let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
+    let members = ListParams::default().labels(&format!(
+        "openab.dev/installation={installation},openab.dev/role=pool"
+    ));
+    wait_until("the pool to be full", Duration::from_secs(180), || async {
+        if let Some(pooled) = pooled {
+            pooled.reconcile().await.ok()?;
+        }
+        let listed = pods.list(&members).await.ok()?;
+        let ready = listed
+            .items
+            .iter()
+            .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+            .filter(|pod| {
+                pod.status
+                    .as_ref()
+                    .and_then(|status| status.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .count();
+        (ready == size).then_some(())
+    })
+    .await;
+    // The broker's watch sees them ready too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// The API requests of a warm lifecycle: create, a warm attach to its first reply, close; the
+/// refill the claim starts (members' accounts and Pods, and the lists it decides from) apart.
+async fn warm_requests(
+    cluster: &TestCluster,
+    pooled: &KubernetesRuntime,
+    faults: &Faults,
+    installation: &str,
+) {
+    pool_full(cluster, pooled, installation, 2).await;
+    let identity = SessionIdentity::new(installation, "agent", "bench", "warm lifecycle").expect("identity");
+    let id = identity.id();
+    let refill = [
+        "list pods",
+        "create pods",
+        "create serviceaccounts",
+        "list serviceaccounts",
+    ];
+    println!("API requests of a warm lifecycle (the pool full, its refill counted apart):");
+    let mut total = 0;
+    for phase in ["create", "warm attach", "close"] {
+        faults.clear_requests();
+        match phase {
+            "create" => drop(
+                pooled
+                    .create(&identity, &CreateOptions::new())
+                    .await
+                    .expect("create"),
+            ),
+            "warm attach" => {
+                let client = AcpClient::new(pooled.attach(&id).await.expect("a warm attach"));
+                client.initialize().await.expect("initialize");
+                // The refill the claim started, to its end (read with the admin's client, which
+                // is not counted).
+                members_ready(cluster, None, installation, 2).await;
+                drop(client);
+            }
+            _ => pooled.close(&id, CloseReason::Reset).await.expect("close"),
+        }
+        let counts = kinds(&faults.requests());
+        let (refilling, own): (BTreeMap<_, _>, BTreeMap<_, _>) = counts
+            .into_iter()
+            .partition(|(kind, _)| phase == "warm attach" && refill.contains(&kind.as_str()));
+        let all: usize = own.values().sum();
+        total += all;
+        println!("  {phase:<12} {all:>3} ({} writes) {own:?}", writes(&own));
+        if !refilling.is_empty() {
+            println!("  {:<12}     the refill and its waits: {refilling:?}", "");
+        }
+    }
+    println!("  total {total}");
+}
+
+/// A burst of [`BURST`] attaches at once against a pool of [`BURST_POOL`].
+async fn burst_with_a_pool(
+    cluster: &TestCluster,
+    pooled: &std::sync::Arc<KubernetesRuntime>,
+    installation: &str,
+) {
+    pool_full(cluster, pooled, installation, BURST_POOL).await;
+    let mut ids = Vec::new();
+    for n in 0..BURST {
+        let identity =
+            SessionIdentity::new(installation, "agent", "bench", format!("burst-{n}")).expect("identity");
+        pooled
+            .create(&identity, &CreateOptions::new())
+            .await
+            .expect("create");
+        ids.push(identity.id());
+    }
+    let mut times = attach_all(pooled, &ids, false).await;
+    let mut warm = 0;
+    for id in &ids {
+        let worker = pooled
+            .status(id)
+            .await
+            .expect("status")
+            .worker
+            .map(|w| w.worker_id);
+        if worker.is_some_and(|w| w.starts_with("pod/oab-m-")) {
+            warm += 1;
+        }
+    }
+    for id in &ids {
+        pooled.close(id, CloseReason::Reset).await.expect("close");
+    }
+    times.sort();
+    println!(
+        "a burst of {BURST} attaches at once, a pool of {BURST_POOL}: {warm} started warm; first reply p50 {:.1?}, p99 {:.1?}, max {:.1?}",
+        percentile(&mut times, 0.5),
+        percentile(&mut times, 0.99),
+        times[times.len() - 1]
+    );
+}
+
 /// Part 7: a warm claim's first reply, a cold one of the same profile (a broker without a key
 /// keeps no pool) and a bare Pod, interleaved.
 async fn warm_against_a_bare_pod(
@@ -956,30 +1105,10 @@ async fn warm_against_a_bare_pod(
     installation: &str,
 ) {
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
-    let members = ListParams::default().labels(&format!(
-        "openab.dev/installation={installation},openab.dev/role=pool"
-    ));
     let (mut bare, mut warm_attach, mut warm_first, mut cold_first) = (vec![], vec![], vec![], vec![]);
     // The broker's watch lists the members once before the first sample.
     for sample in 0..=SAMPLES {
-        wait_until("the pool to be full", Duration::from_secs(120), || async {
-            pooled.reconcile().await.ok()?;
-            let listed = pods.list(&members).await.ok()?;
-            let ready = listed
-                .items
-                .iter()
-                .filter(|pod| pod.metadata.deletion_timestamp.is_none())
-                .filter(|pod| {
-                    pod.status
-                        .as_ref()
-                        .and_then(|status| status.conditions.as_ref())
-                        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-                })
-                .count();
-            (ready == 2).then_some(())
-        })
-        .await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        pool_full(cluster, pooled, installation, 2).await;
         let identity =
             SessionIdentity::new(installation, "agent", "bench", format!("warm-{sample}")).expect("identity");
         let id = identity.id();

@@ -308,6 +308,37 @@ impl KubernetesRuntime {
     }
 }
 
+/// What a refill does with the installation's workers and members as listed.
+#[derive(Debug)]
+struct Plan<'a> {
+    /// Members to remove: of another profile version or key, failed (they serve nobody), and
+    /// those beyond the pool's size.
+    remove: Vec<&'a Pod>,
+    /// How many members to start.
+    start: usize,
+}
+
+fn plan<'a>(pods: &'a [Pod], profile: &WorkerProfile, key_label: &str, target: usize) -> Plan<'a> {
+    let (members, mut remove): (Vec<&Pod>, Vec<&Pod>) = pods
+        .iter()
+        .filter(|pod| of_profile(pod, profile))
+        .partition(|pod| current(pod, profile, key_label) && !matches!(progress(pod), Progress::Failed(_)));
+    let mut members = members;
+    // Ready ones first, the oldest first: what is cut is what would serve last.
+    members.sort_by_key(|pod| {
+        (
+            progress(pod) != Progress::Ready,
+            pod.metadata.creation_timestamp.clone().map(|time| time.0),
+        )
+    });
+    let surplus = members.split_off(target.min(members.len()));
+    remove.extend(surplus);
+    Plan {
+        remove,
+        start: target - members.len(),
+    }
+}
+
 /// What a refill needs, detached from the runtime so it can run in the background.
 struct Keeper {
     pods: Api<Pod>,
@@ -338,30 +369,19 @@ impl Keeper {
             }
         };
         let target = usize::try_from(self.target.unwrap_or(profile.warm_pool)).unwrap_or(0);
-        let (mut members, stale): (Vec<&Pod>, Vec<&Pod>) = pods
-            .iter()
-            .filter(|pod| of_profile(pod, profile))
-            .partition(|pod| current(pod, profile, &self.key_label));
-        if target == 0 && members.is_empty() && stale.is_empty() {
+        let plan = plan(&pods, profile, &self.key_label, target);
+        if target == 0 && plan.remove.is_empty() {
             // No pool and no member: nothing to do. (The accounts of members claimed before the
             // pool was turned off go with the first pass that keeps a pool again.)
             return refill;
         }
-        // Ready ones first, the oldest first: what is cut is what would serve last.
-        members.sort_by_key(|pod| {
-            (
-                progress(pod) != Progress::Ready,
-                pod.metadata.creation_timestamp.clone().map(|time| time.0),
-            )
-        });
-        let surplus = members.split_off(target.min(members.len()));
-        for pod in stale.into_iter().chain(surplus) {
+        for pod in plan.remove {
             match self.remove(pod).await {
                 Ok(()) => refill.trimmed.push(pod.name_any()),
                 Err(error) => refill.errors.push(error.to_string()),
             }
         }
-        for _ in members.len()..target {
+        for _ in 0..plan.start {
             match self.start_member(profile).await {
                 Ok(name) => refill.started.push(name),
                 Err(error) => {
@@ -550,6 +570,83 @@ mod tests {
             "another version is stale"
         );
         assert!(of_profile(&pod, &other_version));
+    }
+
+    /// A member of `profile` made with `key`, in `phase` and ready or not.
+    fn member(profile: &WorkerProfile, name: &str, key: &BrokerKey, phase: &str, ready: bool) -> Pod {
+        let hash = key.bind_token(name).hash();
+        let mut pod = member_pod(
+            profile,
+            &MemberSpec {
+                name,
+                installation: "prod",
+                profile_uid: "uid-1",
+                bind_hash: &hash,
+                key_label: &key_label(key),
+            },
+        );
+        pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some(phase.to_owned()),
+            conditions: Some(vec![k8s_openapi::api::core::v1::PodCondition {
+                type_: "Ready".to_owned(),
+                status: if ready { "True" } else { "False" }.to_owned(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        pod
+    }
+
+    #[test]
+    fn a_refill_replaces_stale_failed_and_surplus_members_and_leaves_the_rest() {
+        let profile = profile(POOLED);
+        let key = BrokerKey::new(b"k".repeat(32));
+        let old = WorkerProfile::from_toml("coder", "6", POOLED).expect("profile");
+        let other = WorkerProfile::from_toml("other", "7", POOLED).expect("profile");
+        let mut claimed = member(&profile, "oab-m-claimed", &key, "Running", true);
+        claimed
+            .metadata
+            .labels
+            .as_mut()
+            .expect("labels")
+            .insert(names::ROLE.to_owned(), "worker".to_owned());
+        let pods = vec![
+            member(&profile, "oab-m-ready", &key, "Running", true),
+            member(&profile, "oab-m-starting", &key, "Pending", false),
+            member(&profile, "oab-m-failed", &key, "Failed", false),
+            member(&old, "oab-m-old", &key, "Running", true),
+            member(
+                &profile,
+                "oab-m-foreign",
+                &BrokerKey::new(b"j".repeat(32)),
+                "Running",
+                true,
+            ),
+            member(&other, "oab-m-other-profile", &key, "Running", true),
+            claimed,
+        ];
+        let removed = |plan: &Plan<'_>| -> Vec<String> {
+            let mut names: Vec<String> = plan.remove.iter().map(|pod| pod.name_any()).collect();
+            names.sort();
+            names
+        };
+        let full = plan(&pods, &profile, &key_label(&key), 3);
+        assert_eq!(
+            removed(&full),
+            ["oab-m-failed", "oab-m-foreign", "oab-m-old"],
+            "never another profile's member nor a claimed worker"
+        );
+        assert_eq!(full.start, 1, "two members count, a third is started");
+        let smaller = plan(&pods, &profile, &key_label(&key), 1);
+        assert_eq!(
+            removed(&smaller),
+            ["oab-m-failed", "oab-m-foreign", "oab-m-old", "oab-m-starting"],
+            "beyond the size, the one that would serve last goes"
+        );
+        assert_eq!(smaller.start, 0);
+        let none = plan(&pods, &profile, &key_label(&key), 0);
+        assert_eq!(none.remove.len(), 5);
+        assert_eq!(none.start, 0);
     }
 
     #[test]

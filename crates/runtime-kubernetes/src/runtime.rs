@@ -1075,7 +1075,7 @@ impl KubernetesRuntime {
 
     /// Claims the warm `member` the record names and binds it to the record's generation; if
     /// another broker claimed it first (or it went), puts the cold worker's name back on the
-    /// record and starts that one.
+    /// record and starts that one. With whether the worker is the warm one.
     async fn start_warm(
         &self,
         id: &SessionId,
@@ -1083,12 +1083,12 @@ impl KubernetesRuntime {
         record: &SessionRecord,
         profile: &WorkerProfile,
         member: &Pod,
-    ) -> Result<Pod> {
+    ) -> Result<(Pod, bool)> {
         self.apply_egress(profile).await?;
         if let Some(pod) = self.claim_member(id, anchor, record, member, profile).await? {
             self.bind_member(id, &pod, record, profile).await?;
             tracing::info!(session = %id, generation = record.generation, worker = %pod.name_any(), "claimed a warm worker");
-            return Ok(pod);
+            return Ok((pod, true));
         }
         let name = member.name_any();
         let generation = record.generation;
@@ -1105,7 +1105,7 @@ impl KubernetesRuntime {
                 Ok(Some(next))
             })
             .await?;
-        self.start_worker(id, &anchor, &cold, profile).await
+        Ok((self.start_worker(id, &anchor, &cold, profile).await?, false))
     }
 
     /// Why the node never made the Pod's sandbox, in the kubelet's words, if that is what held
@@ -1277,7 +1277,7 @@ impl KubernetesRuntime {
             .start_and_open(id, &anchor, &record, &profile, start, member)
             .await
         {
-            Ok(attachment) => {
+            Ok((attachment, start)) => {
                 in_flight.release();
                 telemetry::attached(RUNTIME, start, started.elapsed());
                 self.publish(
@@ -1322,12 +1322,15 @@ impl KubernetesRuntime {
         profile: &WorkerProfile,
         start: StartKind,
         member: Option<Pod>,
-    ) -> Result<Attachment> {
+    ) -> Result<(Attachment, StartKind)> {
         let generation = record.generation;
         let starting = Instant::now();
-        let pod = match member {
-            Some(member) => self.start_warm(id, anchor, record, profile, &member).await?,
-            None => self.start_worker(id, anchor, record, profile).await?,
+        let (pod, start) = match member {
+            Some(member) => match self.start_warm(id, anchor, record, profile, &member).await? {
+                (pod, true) => (pod, StartKind::Warm),
+                (pod, false) => (pod, start),
+            },
+            None => (self.start_worker(id, anchor, record, profile).await?, start),
         };
         telemetry::worker_ready(RUNTIME, start, starting.elapsed());
         // Another broker may have taken a newer generation, or suspended or closed the session,
@@ -1354,7 +1357,7 @@ impl KubernetesRuntime {
             })??;
         self.record_served(id, generation, &pod, (latest_anchor, latest))
             .await;
-        Ok(attachment)
+        Ok((attachment, start))
     }
 
     /// Records that the worker of `generation` serves: its Pod's UID (which tells `reconcile`

@@ -52,6 +52,8 @@ pub enum StartKind {
     Replacement,
     /// No new worker: a running one taken over from an older broker.
     TakeOver,
+    /// No new worker: a warm one (started with no session, from a backend's pool) claimed.
+    Warm,
 }
 
 impl StartKind {
@@ -62,6 +64,7 @@ impl StartKind {
             StartKind::Resume => "resume",
             StartKind::Replacement => "replacement",
             StartKind::TakeOver => "takeover",
+            StartKind::Warm => "warm",
         }
     }
 
