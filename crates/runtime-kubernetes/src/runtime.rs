@@ -1179,19 +1179,20 @@ impl KubernetesRuntime {
         let profile = self.profile().await?;
         let mut read = Some((loaded, current));
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
-        if reusable {
-            // It reads the anchor itself.
-            read = None;
-            if let Some((attachment, generation)) = self.take_over(id, &profile).await? {
-                telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
-                self.publish(
-                    id,
-                    SessionEvent::Adopted {
-                        generation,
-                        epoch: self.epoch,
-                    },
-                );
-                return Ok(attachment);
+        if let Some(loaded) = read.take().filter(|_| reusable) {
+            match self.take_over(id, &profile, loaded).await? {
+                TakeOver::Taken(attachment, generation) => {
+                    telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
+                    self.publish(
+                        id,
+                        SessionEvent::Adopted {
+                            generation,
+                            epoch: self.epoch,
+                        },
+                    );
+                    return Ok(*attachment);
+                }
+                TakeOver::NotTaken(unchanged) => read = unchanged.map(|read| *read),
             }
         }
         // A warm worker, where the profile keeps them and the session has no volume a Pod
@@ -1393,50 +1394,53 @@ impl KubernetesRuntime {
         }
     }
 
-    /// Takes over the running worker of the current generation from the broker that attached
+    /// Takes over the running worker of the current generation (as `read`, the anchor and record
+    /// this attach read: the compare-and-swap catches a change since) from the broker that attached
     /// it (a restarted broker, or another replica) instead of starting a new one: the relay
     /// accepts this broker's newer epoch, fences the older broker's stream, and replays the
     /// agent's output that broker had not acknowledged, so a turn in flight continues. Only
     /// for brokers that share the key the worker's token came from, and only when this
-    /// broker's epoch is newer than the holder's; `None` sends the caller to a new generation.
+    /// broker's epoch is newer than the holder's; `NotTaken` sends the caller to a new generation.
     async fn take_over(
         &self,
         id: &SessionId,
         profile: &WorkerProfile,
-    ) -> Result<Option<(Attachment, Generation)>> {
-        let (anchor, record) = self.load_existing(id).await?;
+        read: (OabSession, SessionRecord),
+    ) -> Result<TakeOver> {
+        let (anchor, record) = &read;
         let Some(held) = record
             .worker
             .as_ref()
             .filter(|_| record.state() == SessionState::Running)
         else {
-            return Ok(None);
+            return Ok(TakeOver::NotTaken(Some(Box::new(read))));
         };
         if held.generation != record.generation || held.holder_epoch.is_none_or(|epoch| epoch >= self.epoch) {
-            return Ok(None);
+            return Ok(TakeOver::NotTaken(Some(Box::new(read))));
         }
         let Some(pod) = self.worker(id, &record.worker_pod()).await?.filter(|pod| {
             pod.metadata.deletion_timestamp.is_none()
                 && names::pod_generation(&pod.metadata) == Some(record.generation)
                 && matches!(progress(pod), Progress::Ready)
         }) else {
-            return Ok(None);
+            return Ok(TakeOver::NotTaken(Some(Box::new(read))));
         };
         let mut next = record.clone();
         if let Some(worker) = next.worker.as_mut() {
             worker.holder_epoch = Some(self.epoch);
         }
         next.last_activity = now();
-        match self.swap(&anchor, &next).await {
+        match self.swap(anchor, &next).await {
             Ok(_) => {}
-            // Another broker changed the session first: a new generation settles it.
-            Err(Swap::Lost) => return Ok(None),
+            // Another broker changed the session first: a new generation settles it, from a
+            // fresh read.
+            Err(Swap::Lost) => return Ok(TakeOver::NotTaken(None)),
             Err(Swap::Failed(error)) => return Err(error),
         }
         tracing::info!(session = %id, generation = record.generation, epoch = self.epoch, "taking over the running worker");
         self.open(id, &pod, record.generation, profile)
             .await
-            .map(|attachment| Some((attachment, record.generation)))
+            .map(|attachment| TakeOver::Taken(Box::new(attachment), record.generation))
     }
 
     /// Connects to the relay of `pod`, the worker of `generation`, and keeps the attachment as
@@ -1866,6 +1870,15 @@ impl KubernetesRuntime {
 /// Renews the anchor's `status.renewTime` every `every` until the attachment is fenced or its worker
 /// ended. A merge patch of that one field: it never conflicts with a record update, and a record
 /// update never loses it (each one renews too).
+/// What [`KubernetesRuntime::take_over`] did.
+enum TakeOver {
+    /// The running worker now serves this broker.
+    Taken(Box<Attachment>, Generation),
+    /// Nothing taken; the read it was given when it changed nothing, `None` when the session
+    /// changed meanwhile.
+    NotTaken(Option<Box<(OabSession, SessionRecord)>>),
+}
+
 async fn renew_while_live(
     anchors: Api<OabSession>,
     id: SessionId,
