@@ -77,7 +77,7 @@ fn label<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
     pod.labels().get(key).map(String::as_str)
 }
 
-/// The installation's ready, unclaimed pool members.
+/// The installation's unclaimed pool members (ready or not) that are not being deleted.
 async fn members(cluster: &TestCluster, installation: &str) -> Vec<Pod> {
     pods(cluster)
         .list(&ListParams::default().labels(&format!(
@@ -145,6 +145,14 @@ async fn one_turn(client: &AcpClient) {
         .expect("session/new");
     let outcome = client.prompt(&session, "hello").await.expect("a prompt turn");
     assert_eq!(outcome.stop_reason, "end_turn", "the turn ends well: {outcome:?}");
+}
+
+/// One session attached and closed, so that the broker's watch has listed the pool (its first
+/// attach finds no member: the watch starts with it).
+async fn warm_up(runtime: &KubernetesRuntime, installation: &str) {
+    let warmup = new_session(runtime, installation, &unique_name("warmup")).await;
+    drop(runtime.attach(&warmup).await.expect("attach"));
+    runtime.close(&warmup, CloseReason::Ended).await.expect("close");
 }
 
 async fn new_session(runtime: &KubernetesRuntime, installation: &str, thread: &str) -> SessionId {
@@ -264,9 +272,7 @@ async fn two_brokers_racing_for_the_pool_give_each_member_to_one_session() {
     let pool = filled(&cluster, &first, &installation, 3).await;
     // Each broker's watch has listed the pool before the race, so both pick from it.
     for runtime in [&first, &second] {
-        let warmup = new_session(runtime, &installation, &unique_name("warmup")).await;
-        drop(runtime.attach(&warmup).await.expect("attach"));
-        runtime.close(&warmup, CloseReason::Ended).await.expect("close");
+        warm_up(runtime, &installation).await;
     }
     let pool: BTreeSet<String> = members(&cluster, &installation)
         .await
@@ -348,9 +354,7 @@ async fn a_member_killed_before_its_claim_is_passed_over_and_one_killed_after_en
     let runtime = broker(&cluster, &profile, &installation);
     let pool = filled(&cluster, &runtime, &installation, 1).await;
     // The broker's watch lists the member, then the member is killed under it.
-    let warmup = new_session(&runtime, &installation, "warmup").await;
-    drop(runtime.attach(&warmup).await.expect("attach"));
-    runtime.close(&warmup, CloseReason::Ended).await.expect("close");
+    warm_up(&runtime, &installation).await;
     let pool = filled(&cluster, &runtime, &installation, 1)
         .await
         .into_iter()
@@ -413,9 +417,7 @@ async fn a_profile_change_replaces_the_members_and_leaves_claimed_workers_alone(
     let profile = AdminObject::profile(&cluster, &installation, &pooled_profile(2, "")).await;
     let runtime = broker(&cluster, &profile, &installation);
     filled(&cluster, &runtime, &installation, 2).await;
-    let warmup = new_session(&runtime, &installation, "warmup").await;
-    drop(runtime.attach(&warmup).await.expect("attach"));
-    runtime.close(&warmup, CloseReason::Ended).await.expect("close");
+    warm_up(&runtime, &installation).await;
     let before = filled(&cluster, &runtime, &installation, 2).await;
     let id = new_session(&runtime, &installation, "claimed").await;
     let client = AcpClient::new(runtime.attach(&id).await.expect("a warm attach"));
@@ -466,9 +468,7 @@ async fn two_sessions_that_started_warm_cannot_touch_each_other_over_exec() {
     // Over pods/exec: the claimed members are reached through the exec policy's bridge too.
     let runtime = broker_over(&cluster, &profile, &installation, Reach::Exec);
     filled(&cluster, &runtime, &installation, 2).await;
-    let warmup = new_session(&runtime, &installation, "warmup").await;
-    drop(runtime.attach(&warmup).await.expect("attach"));
-    runtime.close(&warmup, CloseReason::Ended).await.expect("close");
+    warm_up(&runtime, &installation).await;
     let pool = filled(&cluster, &runtime, &installation, 2).await;
     let options = isolation_suite::SuiteOptions::new(&installation);
     let report = isolation_suite::run(Arc::clone(&runtime) as Arc<dyn SessionRuntime>, &options)
