@@ -455,14 +455,6 @@ async fn attach_against_a_bare_pod(
         }
     }
     let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
-    let row = |label: &str, samples: &[Duration]| {
-        let mut sorted = samples.to_vec();
-        sorted.sort();
-        let (min, median, max) = (sorted[0], sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
-        let p95 = percentile(&mut sorted, 0.95);
-        println!("  {label:<28} min {min:>9.1?}  median {median:>9.1?}  p95 {p95:>9.1?}  max {max:>9.1?}");
-        median
-    };
     println!("a new session to its first ACP reply, and its resume, against a bare Pod of the same image to Ready ({SAMPLES} each):");
     let bare_median = row("bare Pod", &bare);
     let shaped_median = row("bare Pod, init + main", &shaped);
@@ -478,6 +470,16 @@ async fn attach_against_a_bare_pod(
             ratio(resume, bare_median)
         );
     }
+}
+
+/// Prints one figure's `samples` (min, median, p95, max) under `label`; its median.
+fn row(label: &str, samples: &[Duration]) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    let (min, median, max) = (sorted[0], sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+    let p95 = percentile(&mut sorted, 0.95);
+    println!("  {label:<28} min {min:>9.1?}  median {median:>9.1?}  p95 {p95:>9.1?}  max {max:>9.1?}");
+    median
 }
 
 /// This process's CPU time (user and system), from /proc.
@@ -1148,14 +1150,6 @@ async fn warm_against_a_bare_pod(
         let [_, first, _] = new_session_and_resume(cold, installation, &format!("cold-{sample}")).await;
         cold_first.push(first);
     }
-    let row = |label: &str, samples: &[Duration]| {
-        let mut sorted = samples.to_vec();
-        sorted.sort();
-        let median = sorted[sorted.len() / 2];
-        let p95 = percentile(&mut sorted, 0.95);
-        println!("  {label:<28} median {median:>9.1?}  p95 {p95:>9.1?}");
-        median
-    };
     println!("the warm pool: a new session's first ACP reply from a warm worker, against a bare Pod to Ready and a cold first reply ({SAMPLES} each):");
     let bare = row("bare Pod", &bare);
     row("warm attach returned", &warm_attach);

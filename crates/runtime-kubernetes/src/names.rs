@@ -138,6 +138,14 @@ pub(crate) fn installation_selector(installation: &str) -> String {
     )
 }
 
+/// The label selector of an installation's worker Pods and warm pool members.
+pub(crate) fn workers_selector(installation: &str) -> String {
+    format!(
+        "{},{ROLE} in (worker,{POOL_ROLE})",
+        installation_selector(installation)
+    )
+}
+
 /// The session an object is labelled for, if its annotation confirms it.
 pub(crate) fn session_of(meta: &ObjectMeta) -> Option<SessionId> {
     let id = SessionId::parse(meta.labels.as_ref()?.get(SESSION)?).ok()?;

@@ -240,15 +240,14 @@ struct Body<'a> {
 
 /// Everything of a worker Pod the profile decides.
 fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
-    let spec = body;
     let mut volumes = vec![
         Volume {
             name: "session".to_owned(),
-            persistent_volume_claim: spec.claim.map(|claim| PersistentVolumeClaimVolumeSource {
+            persistent_volume_claim: body.claim.map(|claim| PersistentVolumeClaimVolumeSource {
                 claim_name: claim.to_owned(),
                 read_only: None,
             }),
-            empty_dir: spec.claim.is_none().then(|| EmptyDirVolumeSource {
+            empty_dir: body.claim.is_none().then(|| EmptyDirVolumeSource {
                 size_limit: match &profile.storage {
                     Storage::Ephemeral { size_limit } => size_limit.clone().map(Quantity),
                     _ => None,
@@ -368,7 +367,7 @@ fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
             }
             None
         }
-        None => spec.prepare.then(|| {
+        None => body.prepare.then(|| {
             prepare_container(
                 profile,
                 vec![

@@ -40,7 +40,7 @@ use crate::pod::{deadline_seconds, member_meta, member_pod, owned_by_anchor, Mem
 use crate::profile::WorkerProfile;
 use crate::record::SessionRecord;
 use crate::start::{progress, Progress};
-use crate::{KubernetesRuntime, RUNTIME};
+use crate::KubernetesRuntime;
 
 /// How long one bind exchange may take, connection included.
 const BIND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -88,11 +88,7 @@ pub(crate) fn key_label(key: &BrokerKey) -> String {
 
 /// A new member's name: [`names::MEMBER_PREFIX`] and 80 random bits.
 fn member_name() -> Result<String> {
-    use std::io::Read;
-    let mut bytes = [0u8; 10];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut random| random.read_exact(&mut bytes))
-        .map_err(|error| Error::backend(RUNTIME, true, "no randomness for a pool member's name", error))?;
+    let bytes: [u8; 10] = crate::runtime::random_bytes("a pool member's name", true)?;
     Ok(format!(
         "{}{}",
         names::MEMBER_PREFIX,
@@ -302,7 +298,6 @@ impl KubernetesRuntime {
             installation: self.installation().to_owned(),
             key: self.key.clone(),
             key_label: self.pool_key.clone(),
-            target: if self.shared_key { None } else { Some(0) },
             state: Arc::clone(&self.pool),
         })
     }
@@ -346,8 +341,6 @@ struct Keeper {
     installation: String,
     key: BrokerKey,
     key_label: String,
-    /// The pool's size when not the profile's: 0 for a broker without a given key.
-    target: Option<u32>,
     state: Arc<PoolState>,
 }
 
@@ -355,12 +348,7 @@ impl Keeper {
     async fn refill(&self, profile: &WorkerProfile) -> Refill {
         let _one = self.state.refilling.lock().await;
         let mut refill = Refill::default();
-        let selector = format!(
-            "{},{} in (worker,{})",
-            names::installation_selector(&self.installation),
-            names::ROLE,
-            names::POOL_ROLE
-        );
+        let selector = names::workers_selector(&self.installation);
         let pods = match self.pods.list(&ListParams::default().labels(&selector)).await {
             Ok(list) => list.items,
             Err(error) => {
@@ -368,7 +356,7 @@ impl Keeper {
                 return refill;
             }
         };
-        let target = usize::try_from(self.target.unwrap_or(profile.warm_pool)).unwrap_or(0);
+        let target = usize::try_from(profile.warm_pool).unwrap_or(0);
         let plan = plan(&pods, profile, &self.key_label, target);
         if target == 0 && plan.remove.is_empty() {
             // No pool and no member: nothing to do. (The accounts of members claimed before the
@@ -390,9 +378,13 @@ impl Keeper {
                 }
             }
         }
-        let named: HashSet<String> = pods.iter().map(ResourceExt::name_any).collect();
-        self.delete_stray_accounts(&named, &refill.started, &mut refill.errors)
-            .await;
+        // The members just started have an account and a Pod the list predates.
+        let named: HashSet<String> = pods
+            .iter()
+            .map(ResourceExt::name_any)
+            .chain(refill.started.iter().cloned())
+            .collect();
+        self.delete_stray_accounts(&named, &mut refill.errors).await;
         refill
     }
 
@@ -452,12 +444,7 @@ impl Keeper {
 
     /// Deletes the accounts of members whose Pod is gone (deleted as a session's worker, or
     /// never made), past [`ACCOUNT_GRACE`].
-    async fn delete_stray_accounts(
-        &self,
-        pods: &HashSet<String>,
-        started: &[String],
-        errors: &mut Vec<String>,
-    ) {
+    async fn delete_stray_accounts(&self, pods: &HashSet<String>, errors: &mut Vec<String>) {
         let selector = format!(
             "{},{}={}",
             names::installation_selector(&self.installation),
@@ -480,7 +467,7 @@ impl Keeper {
                 .creation_timestamp
                 .as_ref()
                 .map_or(0, |time| now - time.0.as_second());
-            if pods.contains(&name) || started.contains(&name) || age < grace {
+            if pods.contains(&name) || age < grace {
                 continue;
             }
             let params = DeleteParams {

@@ -326,12 +326,18 @@ impl KubernetesRuntimeBuilder {
 }
 
 fn random_key() -> Result<BrokerKey> {
+    let bytes: [u8; 32] = random_bytes("the broker key", false)?;
+    Ok(BrokerKey::new(bytes.to_vec()))
+}
+
+/// `N` bytes from the kernel's random source, for `what` (named in the error).
+pub(crate) fn random_bytes<const N: usize>(what: &str, retryable: bool) -> Result<[u8; N]> {
     use std::io::Read;
-    let mut bytes = [0u8; 32];
+    let mut bytes = [0u8; N];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut random| random.read_exact(&mut bytes))
-        .map_err(|error| Error::backend(RUNTIME, false, "no random broker key", error))?;
-    Ok(BrokerKey::new(bytes.to_vec()))
+        .map_err(|error| Error::backend(RUNTIME, retryable, format!("no randomness for {what}"), error))?;
+    Ok(bytes)
 }
 
 /// What this process holds of a session's live attachment.
@@ -2102,15 +2108,7 @@ impl KubernetesRuntime {
     pub(crate) async fn worker_watch(&self) -> Result<&crate::loss::WorkerWatch> {
         let pods = self.pods().await?;
         Ok(self.workers.get_or_init(|| {
-            crate::loss::WorkerWatch::new(
-                pods.clone(),
-                format!(
-                    "{},{} in (worker,{})",
-                    names::installation_selector(&self.installation),
-                    names::ROLE,
-                    names::POOL_ROLE
-                ),
-            )
+            crate::loss::WorkerWatch::new(pods.clone(), names::workers_selector(&self.installation))
         }))
     }
 

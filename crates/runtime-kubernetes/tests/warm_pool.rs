@@ -202,10 +202,7 @@ async fn a_warm_worker_serves_a_new_session_and_is_never_returned_to_the_pool() 
             .is_some_and(|limit| limit > 3600),
         "the profile's lifetime counts from the claim, the Pod's deadline from its start"
     );
-    let environment = client
-        .exec("echo \"$OAB_RELAY_SESSION/$HOME\"")
-        .await
-        .expect("exec");
+    let environment = client.exec("echo \"$HOME\"").await.expect("exec");
     assert!(environment.stdout.contains("/home/agent"), "{environment:?}");
 
     // Refilled in the background to the pool's size, without the claimed one.
