@@ -2,7 +2,9 @@
 //! `eval "$(scripts/cluster env)"` and `cargo bench -p runtime-kubernetes --bench kubernetes`):
 //!
 //! 1. API requests of a lifecycle (create, attach, suspend, attach, close), counted by kind: the
-//!    process's first, then its second (what every later one costs).
+//!    process's first, then its second (what every later one costs); `OAB_BENCH_TRACE=1` lists
+//!    each request in order. Events are published in the background, so one is counted in the
+//!    phase during which it lands.
 //! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
 //!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
 //!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
@@ -313,6 +315,11 @@ async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, in
                 "suspend" => runtime.suspend(&id, SuspendReason::Idle).await.expect("suspend"),
                 _ => runtime.close(&id, CloseReason::Reset).await.expect("close"),
             }
+            if std::env::var_os("OAB_BENCH_TRACE").is_some() {
+                for (method, path) in faults.requests() {
+                    println!("    {method:?} {path}");
+                }
+            }
             let counts = kinds(&faults.requests());
             let all: usize = counts.values().sum();
             total += all;
@@ -322,7 +329,7 @@ async fn requests_per_lifecycle(runtime: &KubernetesRuntime, faults: &Faults, in
         println!("  {:<10} {total:>5} {total_writes:>7}", "total");
     }
     println!(
-        "  (a wait for a Pod to start or stop uses the broker's one watch of its workers: its list and watch requests, `list pods`, come once per process)"
+        "  (the broker's watches of its workers, `list pods`, and of its profile, `list oabprofiles`, list and watch once per process)"
     );
 }
 

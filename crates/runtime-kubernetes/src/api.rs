@@ -49,6 +49,29 @@ where
     }
 }
 
+/// Follows the objects of `api` that `config` selects, on a task of its own that retries with
+/// kube's default backoff, handing `apply` each event and each error. Aborting the handle stops
+/// it.
+pub(crate) fn spawn_watch<K>(
+    api: kube::Api<K>,
+    config: kube::runtime::watcher::Config,
+    mut apply: impl FnMut(kube::runtime::watcher::Result<kube::runtime::watcher::Event<K>>) + Send + 'static,
+) -> tokio::task::AbortHandle
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    use futures_util::StreamExt;
+    use kube::runtime::WatchStreamExt;
+    let stream = kube::runtime::watcher::watcher(api, config).default_backoff();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            apply(event);
+        }
+    })
+    .abort_handle()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

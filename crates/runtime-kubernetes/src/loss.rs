@@ -15,10 +15,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::{Api, ResourceExt};
 use parking_lot::Mutex;
 use session_runtime::WorkerFailure;
@@ -65,6 +63,8 @@ struct Watched {
     listing: HashMap<String, Pod>,
     /// The UIDs of Pods seen deleted, the oldest first.
     deleted: VecDeque<String>,
+    /// The watch failed and has delivered nothing since: `pods` may miss a Pod.
+    failing: bool,
 }
 
 #[derive(Debug)]
@@ -94,6 +94,7 @@ impl Watched {
     }
 
     fn apply(&mut self, event: Event<Pod>) {
+        self.failing = false;
         match event {
             Event::Init => {
                 self.round += 1;
@@ -204,10 +205,13 @@ impl WorkerWatch {
     }
 
     /// The Pods `keep` picks as the watch last saw them; `None` until the watch has listed the
-    /// Pods once. Starts the watch.
+    /// Pods once, and while it fails (from an error until its next event). Starts the watch.
     pub(crate) fn pods_where(&self, keep: impl Fn(&Pod) -> bool) -> Option<Vec<Pod>> {
         self.start();
         let state = self.state.lock();
+        if state.failing {
+            return None;
+        }
         let pods = state.pods.as_ref()?;
         Some(pods.values().filter(|pod| keep(pod)).cloned().collect())
     }
@@ -234,27 +238,20 @@ impl WorkerWatch {
 
     fn start(&self) {
         self.task.get_or_init(|| {
-            let stream = watcher::watcher(
-                self.pods.clone(),
-                watcher::Config::default().labels(&self.selector),
-            )
-            .default_backoff();
             let state = Arc::clone(&self.state);
             let changes = self.changes.clone();
-            tokio::spawn(async move {
-                let mut stream = std::pin::pin!(stream);
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Ok(event) => {
-                            state.lock().apply(event);
-                            changes.send_modify(|count| *count += 1);
-                        }
-                        // The backoff retries; a relist afterwards catches what was missed.
-                        Err(error) => tracing::debug!("watching worker Pods failed: {error}"),
-                    }
+            let config = watcher::Config::default().labels(&self.selector);
+            crate::api::spawn_watch(self.pods.clone(), config, move |event| match event {
+                Ok(event) => {
+                    state.lock().apply(event);
+                    changes.send_modify(|count| *count += 1);
+                }
+                // The backoff retries; a relist afterwards catches what was missed.
+                Err(error) => {
+                    tracing::debug!("watching worker Pods failed: {error}");
+                    state.lock().failing = true;
                 }
             })
-            .abort_handle()
         });
     }
 }

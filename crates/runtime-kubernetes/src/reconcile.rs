@@ -44,7 +44,7 @@ async fn keep_pool(runtime: &KubernetesRuntime, report: &mut ReconcileReport) {
     if !runtime.shared_key {
         return;
     }
-    let profile = match runtime.profile().await {
+    let profile = match runtime.read_profile().await {
         Ok(profile) => profile,
         Err(error) => {
             tracing::debug!("no profile to keep a warm pool of: {error}");
@@ -254,7 +254,7 @@ pub(crate) async fn session(
     }
     match record.state() {
         SessionState::Closing => {
-            runtime.finish_close(id, (anchor.clone(), record)).await?;
+            runtime.finish_close(id, (anchor.clone(), record), None).await?;
             report.finished_closes.push(*id);
             note(runtime, id, "finished an interrupted close".to_owned()).await;
             return Ok(());
@@ -417,7 +417,9 @@ async fn suspend_idle(
         .retire_previous(id, record.generation, Duration::ZERO)
         .await;
     // The Pod's own termination grace: the agent gets to stop as it would on any suspend.
-    runtime.stop_worker(id, record.generation, None).await?;
+    runtime
+        .stop_worker(id, record.generation, None, record.served_worker())
+        .await?;
     Ok(true)
 }
 
@@ -515,7 +517,9 @@ async fn finish_deletion(
     let closed_now = match record.state() {
         SessionState::Closed => false,
         SessionState::Closing => {
-            runtime.finish_close(id, (anchor.clone(), record.clone())).await?;
+            runtime
+                .finish_close(id, (anchor.clone(), record.clone()), None)
+                .await?;
             true
         }
         _ => {
@@ -623,7 +627,7 @@ impl KubernetesRuntime {
     /// The pass's policy: the profile's idle TTL, else the runtime's. A profile that cannot be
     /// read leaves the runtime's (and says so), rather than stopping the whole pass.
     pub(crate) async fn policy(&self) -> Policy {
-        let idle_ttl = match self.profile().await {
+        let idle_ttl = match self.read_profile().await {
             Ok(profile) => profile.idle_ttl.or(self.housekeeping.idle_ttl),
             Err(error) => {
                 tracing::warn!("reconcile: using the default idle TTL: {error}");

@@ -206,6 +206,10 @@ pub(crate) struct SessionRecord {
     /// `false` for a session provisioned before sessions had one, whose next worker makes it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) service_account: bool,
+    /// That ServiceAccount's UID, so a close deletes exactly it without reading it first;
+    /// `None` for a session provisioned before the record kept it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) service_account_uid: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) last_start_failure: Option<FailedStart>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -251,6 +255,7 @@ impl SessionRecord {
             lent_to: None,
             prepared: false,
             service_account: false,
+            service_account_uid: None,
             last_start_failure: None,
             storage_lost: None,
         }
@@ -323,6 +328,12 @@ impl SessionRecord {
             .as_ref()
             .and_then(|worker| worker.pod.clone())
             .unwrap_or_else(|| names::worker(&self.id))
+    }
+
+    /// The name and UID of the current generation's worker Pod, once it served.
+    pub(crate) fn served_worker(&self) -> Option<(String, String)> {
+        let uid = self.worker.as_ref()?.pod_uid.clone()?;
+        Some((self.worker_pod(), uid))
     }
 
     pub(crate) fn state(&self) -> SessionState {

@@ -87,6 +87,10 @@ pub struct KubernetesRuntime {
     egress_applied: Mutex<std::collections::HashSet<String>>,
     /// Tells live attachments that their worker Pod is gone; started by the first attach.
     workers: std::sync::OnceLock<crate::loss::WorkerWatch>,
+    /// Each session's anchor as this process last read or wrote it.
+    anchors_seen: crate::recall::AnchorMemory,
+    /// The profile as this process's watch of it sees it; started by the first read.
+    profile_watch: std::sync::OnceLock<crate::profile_watch::ProfileWatch>,
 }
 
 impl std::fmt::Debug for KubernetesRuntime {
@@ -321,6 +325,8 @@ impl KubernetesRuntimeBuilder {
             live: Mutex::new(HashMap::new()),
             egress_applied: Mutex::new(std::collections::HashSet::new()),
             workers: std::sync::OnceLock::new(),
+            anchors_seen: crate::recall::AnchorMemory::default(),
+            profile_watch: std::sync::OnceLock::new(),
         })
     }
 }
@@ -383,6 +389,15 @@ enum Watched {
     Met(Option<Box<Pod>>),
     /// Not within the time given, or the watch failed.
     Unknown,
+}
+
+/// The worker an attach that picked a warm pool member got.
+enum Warm {
+    /// The member, claimed and bound.
+    Claimed(Pod),
+    /// Another broker claimed it first (or it went): the cold worker started instead, and the
+    /// anchor and record that name it.
+    Cold(Pod, Box<(OabSession, SessionRecord)>),
 }
 
 /// Why a compare-and-swap did not land.
@@ -554,6 +569,7 @@ impl KubernetesRuntime {
             .await
             .map_err(|e| api_error(&format!("reading session {id}"), e))?
         else {
+            self.anchors_seen.forget(id);
             return Ok(None);
         };
         if !names::belongs_to(&anchor.metadata, id) {
@@ -561,6 +577,7 @@ impl KubernetesRuntime {
         }
         self.apis().await?.events.learn_anchor(id, anchor.uid());
         let record = anchor.record(id)?;
+        self.anchors_seen.remember(id, &anchor);
         Ok(Some((anchor, record)))
     }
 
@@ -581,27 +598,46 @@ impl KubernetesRuntime {
         self.load(id).await?.ok_or(Error::NotFound { id: *id })
     }
 
+    /// The session's anchor and record as this process last read or wrote them, if it
+    /// remembers them (see `recall.rs`): possibly stale, so only for a compare-and-swap.
+    fn recall(&self, id: &SessionId) -> Option<(OabSession, SessionRecord)> {
+        let anchor = self.anchors_seen.recall(id)?;
+        match anchor.record(id) {
+            Ok(Some(record)) => Some((anchor, record)),
+            _ => None,
+        }
+    }
+
     /// Writes `record` over the anchor, only if the anchor is still the one read.
     pub(crate) async fn swap(
         &self,
         anchor: &OabSession,
         record: &SessionRecord,
     ) -> std::result::Result<OabSession, Swap> {
-        swap_anchor(self.anchor_api().await.map_err(Swap::Failed)?, anchor, record).await
+        let swapped = swap_anchor(self.anchor_api().await.map_err(Swap::Failed)?, anchor, record).await;
+        match &swapped {
+            Ok(_) if record.state() == SessionState::Closed => self.anchors_seen.forget(&record.id),
+            Ok(written) => self.anchors_seen.remember(&record.id, written),
+            Err(_) => self.anchors_seen.forget(&record.id),
+        }
+        swapped
     }
 
-    /// Reads the record, lets `change` decide the next one, and swaps it in; retries a lost race
-    /// with a fresh read. `change` returns `Ok(None)` when there is nothing to write.
+    /// Reads the record (as this process last saw it, if it remembers it), lets `change` decide
+    /// the next one, and swaps it in; retries a lost race with a fresh read. `change` returns
+    /// `Ok(None)` when there is nothing to write.
     pub(crate) async fn update<F>(&self, id: &SessionId, change: F) -> Result<(OabSession, SessionRecord)>
     where
         F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
     {
-        self.update_from(id, None, change).await
+        self.update_from(id, self.recall(id), change).await
     }
 
     /// [`update`](Self::update), starting from `read` (the anchor and record the caller read
-    /// last) instead of reading it again: if it is stale, the swap is lost and the next attempt
-    /// reads afresh, so this saves a request and gives up nothing.
+    /// last, or remembered) instead of reading it again. Since `read` may be stale, only a swap
+    /// may act on it: if it is stale the swap is lost and the next attempt reads afresh, and a
+    /// refusal (`change` returns an error) or nothing to write is decided again on a fresh
+    /// read. So this saves a request and gives up nothing.
     pub(crate) async fn update_from<F>(
         &self,
         id: &SessionId,
@@ -612,12 +648,15 @@ impl KubernetesRuntime {
         F: FnMut(&SessionRecord) -> Result<Option<SessionRecord>> + Send,
     {
         for _ in 0..CAS_ATTEMPTS {
-            let (anchor, record) = match read.take() {
-                Some(read) => read,
-                None => self.load_existing(id).await?,
+            let (given, (anchor, record)) = match read.take() {
+                Some(read) => (true, read),
+                None => (false, self.load_existing(id).await?),
             };
-            let Some(next) = change(&record)? else {
-                return Ok((anchor, record));
+            let next = match change(&record) {
+                Ok(Some(next)) => next,
+                _ if given => continue,
+                Ok(None) => return Ok((anchor, record)),
+                Err(error) => return Err(error),
             };
             match self.swap(&anchor, &next).await {
                 Ok(written) => return Ok((written, next)),
@@ -633,7 +672,21 @@ impl KubernetesRuntime {
         })
     }
 
+    /// The worker profile, as this process's watch of it sees it (see `profile_watch.rs`); read
+    /// when the watch cannot vouch for it, or says there is none.
     pub(crate) async fn profile(&self) -> Result<WorkerProfile> {
+        let profiles = self.profiles().await?;
+        let watch = self
+            .profile_watch
+            .get_or_init(|| crate::profile_watch::ProfileWatch::new(profiles.clone(), &self.profile));
+        match watch.current() {
+            Some(Some(object)) => WorkerProfile::from_resource(&object),
+            _ => self.read_profile().await,
+        }
+    }
+
+    /// The worker profile, read from the API server: for what decides to remove something.
+    pub(crate) async fn read_profile(&self) -> Result<WorkerProfile> {
         let object = self
             .profiles()
             .await?
@@ -728,10 +781,13 @@ impl KubernetesRuntime {
                 }
             }
         };
-        // The session's own identity, before anything runs as it.
-        self.ensure_service_account(id, record.incarnation, &anchor.uid().unwrap_or_default())
-            .await?;
-        record.service_account = true;
+        // The session's own identity, before anything runs as it (a new record's first made it).
+        if !record.service_account {
+            record.service_account_uid = self
+                .ensure_service_account(id, record.incarnation, &anchor.uid().unwrap_or_default())
+                .await?;
+            record.service_account = true;
+        }
         if record.seed.is_some() || profile.home_template.is_some() {
             self.seed(id, &anchor, &record, &profile).await?;
             record.seed = None;
@@ -777,16 +833,33 @@ impl KubernetesRuntime {
     /// Deletes the session's worker Pods up to `generation` (each that exact Pod: UID
     /// precondition) and waits until they are gone. A Pod newer than `generation` is left alone:
     /// it is a later attach's, which this call's record predates. Found by the session's label,
-    /// not a name: a record that no longer has a worker does not say whether its last one was
-    /// started cold (`oab-w-<id>`) or a claimed pool member.
+    /// not a name (a record that no longer has a worker does not say whether its last one was
+    /// started cold, `oab-w-<id>`, or a claimed pool member), as the broker's watch of its
+    /// workers sees them, and `served`, the worker (name and UID) the record named last, even if
+    /// the watch has not seen it. A Pod another broker started a moment ago that the watch has
+    /// not seen yet is that broker's to stop: it finds the session changed when it records it.
     pub(crate) async fn stop_worker(
         &self,
         id: &SessionId,
         generation: Generation,
         grace: Option<u32>,
+        served: Option<(String, String)>,
     ) -> Result<bool> {
+        let mut pods = self.workers_of(id).await?;
+        if let Some((name, uid)) = served {
+            if !pods.iter().any(|pod| pod.uid().as_deref() == Some(uid.as_str())) {
+                pods.push(Pod {
+                    metadata: kube::api::ObjectMeta {
+                        name: Some(name),
+                        uid: Some(uid),
+                        ..kube::api::ObjectMeta::default()
+                    },
+                    ..Pod::default()
+                });
+            }
+        }
         let mut stopped = false;
-        for pod in self.workers_of(id).await? {
+        for pod in pods {
             if names::pod_generation(&pod.metadata).is_some_and(|theirs| theirs > generation) {
                 continue;
             }
@@ -797,8 +870,18 @@ impl KubernetesRuntime {
         Ok(stopped)
     }
 
-    /// The session's worker Pods, by its label (whatever their names), that are the session's.
+    /// The session's worker Pods, by its label (whatever their names), that are the session's:
+    /// as the broker's watch of its workers sees them, else (until it has listed them) listed.
     async fn workers_of(&self, id: &SessionId) -> Result<Vec<Pod>> {
+        let ours = |pod: &Pod| {
+            let labels = pod.labels();
+            labels.get(names::SESSION).map(String::as_str) == Some(id.as_str())
+                && labels.get(names::ROLE).map(String::as_str) == Some("worker")
+                && names::belongs_to(&pod.metadata, id)
+        };
+        if let Some(watched) = self.worker_watch().await?.pods_where(ours) {
+            return Ok(watched);
+        }
         let selector = format!("{}={id},{}=worker", names::SESSION, names::ROLE);
         let listed = self
             .pods()
@@ -806,11 +889,7 @@ impl KubernetesRuntime {
             .list(&kube::api::ListParams::default().labels(&selector))
             .await
             .map_err(|e| api_error(&format!("listing the worker Pods of session {id}"), e))?;
-        Ok(listed
-            .items
-            .into_iter()
-            .filter(|pod| names::belongs_to(&pod.metadata, id))
-            .collect())
+        Ok(listed.items.into_iter().filter(ours).collect())
     }
 
     pub(crate) async fn delete_pod(&self, pod: &Pod, grace: Option<u32>) -> Result<()> {
@@ -1081,7 +1160,7 @@ impl KubernetesRuntime {
 
     /// Claims the warm `member` the record names and binds it to the record's generation; if
     /// another broker claimed it first (or it went), puts the cold worker's name back on the
-    /// record and starts that one. With whether the worker is the warm one.
+    /// record and starts that one.
     async fn start_warm(
         &self,
         id: &SessionId,
@@ -1089,12 +1168,12 @@ impl KubernetesRuntime {
         record: &SessionRecord,
         profile: &WorkerProfile,
         member: &Pod,
-    ) -> Result<(Pod, bool)> {
+    ) -> Result<Warm> {
         self.apply_egress(profile).await?;
         if let Some(pod) = self.claim_member(id, anchor, record, member, profile).await? {
             self.bind_member(id, &pod, record, profile).await?;
             tracing::info!(session = %id, generation = record.generation, worker = %pod.name_any(), "claimed a warm worker");
-            return Ok((pod, true));
+            return Ok(Warm::Claimed(pod));
         }
         let name = member.name_any();
         let generation = record.generation;
@@ -1111,7 +1190,8 @@ impl KubernetesRuntime {
                 Ok(Some(next))
             })
             .await?;
-        Ok((self.start_worker(id, &anchor, &cold, profile).await?, false))
+        let pod = self.start_worker(id, &anchor, &cold, profile).await?;
+        Ok(Warm::Cold(pod, Box::new((anchor, cold))))
     }
 
     /// Why the node never made the Pod's sandbox, in the kubelet's words, if that is what held
@@ -1170,7 +1250,17 @@ impl KubernetesRuntime {
 
     async fn attach_locked(&self, id: &SessionId) -> Result<Attachment> {
         let started = Instant::now();
-        let (loaded, current) = self.load_existing(id).await?;
+        // What this process last saw leads only to the attach's compare-and-swap; what would
+        // refuse the attach is read afresh.
+        let attachable = |(_, record): &(OabSession, SessionRecord)| {
+            record.phase != Phase::Provisioning
+                && record.state().can_attach()
+                && record.storage_lost.is_none()
+        };
+        let (loaded, current) = match self.recall(id).filter(attachable) {
+            Some(recalled) => recalled,
+            None => self.load_existing(id).await?,
+        };
         if current.phase == Phase::Provisioning {
             return Err(retry_later(
                 id,
@@ -1185,7 +1275,7 @@ impl KubernetesRuntime {
         let profile = self.profile().await?;
         let mut read = Some((loaded, current));
         let reusable = self.shared_key && !self.live.lock().contains_key(id);
-        if let Some(loaded) = read.take().filter(|_| reusable) {
+        if let Some(loaded) = read.take_if(|_| reusable) {
             match self.take_over(id, &profile, loaded).await? {
                 TakeOver::Taken(attachment, generation) => {
                     telemetry::attached(RUNTIME, StartKind::TakeOver, started.elapsed());
@@ -1332,28 +1422,19 @@ impl KubernetesRuntime {
     ) -> Result<(Attachment, StartKind)> {
         let generation = record.generation;
         let starting = Instant::now();
+        let mut read = (anchor.clone(), record.clone());
         let (pod, start) = match member {
             Some(member) => match self.start_warm(id, anchor, record, profile, &member).await? {
-                (pod, true) => (pod, StartKind::Warm),
-                (pod, false) => (pod, start),
+                Warm::Claimed(pod) => (pod, StartKind::Warm),
+                Warm::Cold(pod, cold) => {
+                    read = *cold;
+                    (pod, start)
+                }
             },
             None => (self.start_worker(id, anchor, record, profile).await?, start),
         };
         telemetry::worker_ready(RUNTIME, start, starting.elapsed());
-        // Another broker may have taken a newer generation, or suspended or closed the session,
-        // while this one started: then this worker must not serve.
-        let (latest_anchor, latest) = self.load_existing(id).await?;
-        if latest.generation != generation {
-            return Err(fenced(id, generation, latest.generation));
-        }
-        if latest.state() != SessionState::Running {
-            self.delete_pod(&pod, Some(KILL_GRACE)).await?;
-            return Err(Error::InvalidState {
-                id: *id,
-                state: latest.state(),
-                operation: "attach",
-            });
-        }
+        self.record_serving(id, generation, &pod, read).await?;
         let attachment = tokio::time::timeout(CONNECT_TIMEOUT, self.open(id, &pod, generation, profile))
             .await
             .map_err(|_| {
@@ -1362,27 +1443,37 @@ impl KubernetesRuntime {
                     &format!("the worker was ready but its relay did not answer within {CONNECT_TIMEOUT:?}"),
                 )
             })??;
-        self.record_served(id, generation, &pod, (latest_anchor, latest))
-            .await;
         Ok((attachment, start))
     }
 
-    /// Records that the worker of `generation` serves: its Pod's UID (which tells `reconcile`
-    /// this generation's attach finished), that the claim's directories exist (its relay
-    /// answered, so its `prepare` step ran), and no start failure. A failure to record only
-    /// costs the next worker its init container, or this one a `reconcile` that takes it for
-    /// abandoned once the start timeout has passed twice over; it is logged.
-    /// `read` is the anchor and record as last read.
-    async fn record_served(
+    /// Records that the worker `pod` of `generation` serves, before its relay is connected: its
+    /// Pod's UID (which tells `reconcile` this generation's attach finished), that the claim's
+    /// directories exist (the Pod is ready, so its `prepare` step ran), and no start failure.
+    /// The compare-and-swap, from `read` (the attach's own write), is also the check that no
+    /// other broker took a newer generation, or suspended or closed the session, while this one
+    /// started: then this worker must not serve ([`Error::Fenced`], or
+    /// [`Error::InvalidState`] with the worker deleted).
+    async fn record_serving(
         &self,
         id: &SessionId,
         generation: Generation,
         pod: &Pod,
         read: (OabSession, SessionRecord),
-    ) {
+    ) -> Result<()> {
         let recorded = self
             .update_from(id, Some(read), |record| {
-                let Some(worker) = record.worker.as_ref().filter(|_| record.generation == generation) else {
+                if record.generation != generation {
+                    return Err(fenced(id, generation, record.generation));
+                }
+                let state = record.state();
+                if state != SessionState::Running {
+                    return Err(Error::InvalidState {
+                        id: *id,
+                        state,
+                        operation: "attach",
+                    });
+                }
+                let Some(worker) = record.worker.as_ref() else {
                     return Ok(None);
                 };
                 let mut next = record.clone();
@@ -1395,8 +1486,12 @@ impl KubernetesRuntime {
                 Ok((next != *record).then_some(next))
             })
             .await;
-        if let Err(error) = recorded {
-            tracing::warn!(session = %id, "recording the serving worker failed: {error}");
+        match recorded {
+            Err(error @ Error::InvalidState { .. }) => {
+                self.delete_pod(pod, Some(KILL_GRACE)).await?;
+                Err(error)
+            }
+            other => other.map(drop),
         }
     }
 
@@ -1552,8 +1647,11 @@ impl KubernetesRuntime {
 
     async fn suspend_locked(&self, id: &SessionId, reason: SuspendReason) -> Result<()> {
         let mut suspended = false;
+        let mut served = None;
         let (_, record) = self
             .update(id, |record| {
+                suspended = false;
+                served = record.served_worker();
                 let state = record.state();
                 match state {
                     SessionState::Closing | SessionState::Closed => Err(Error::InvalidState {
@@ -1589,7 +1687,7 @@ impl KubernetesRuntime {
         // suspend is one grace (plus the relay's stop time), not two.
         let pod_grace =
             (reason == SuspendReason::Hung || retired == Retired::Unanswered).then_some(KILL_GRACE);
-        self.stop_worker(id, record.generation, pod_grace).await?;
+        self.stop_worker(id, record.generation, pod_grace, served).await?;
         if suspended {
             self.publish(id, SessionEvent::Suspended { reason });
         }
@@ -1597,8 +1695,13 @@ impl KubernetesRuntime {
     }
 
     pub(crate) async fn close_locked(&self, id: &SessionId, reason: CloseReason) -> Result<()> {
-        let Some(read) = self.load(id).await? else {
-            return Ok(());
+        // Only the close's compare-and-swap acts on what this process last saw.
+        let read = match self.recall(id) {
+            Some(recalled) => recalled,
+            None => match self.load(id).await? {
+                Some(read) => read,
+                None => return Ok(()),
+            },
         };
         // The retention intent is part of the recorded close, decided once by the first reason.
         // A profile that is missing or invalid has no say; one that could not be read might have
@@ -1611,8 +1714,10 @@ impl KubernetesRuntime {
             Err(Error::InvalidConfig { .. }) => self.retention.clone(),
             Err(error) => return Err(error),
         };
+        let mut served = None;
         let (anchor, record) = self
             .update_from(id, Some(read), |record| {
+                served = record.served_worker();
                 if record.close.is_some() {
                     return Ok(None);
                 }
@@ -1634,12 +1739,18 @@ impl KubernetesRuntime {
         let _ = self
             .retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
-        self.finish_close(id, (anchor, record)).await
+        self.finish_close(id, (anchor, record), served).await
     }
 
     /// The steps after a recorded close: compute, then storage, then the closed record.
-    /// `read` is the anchor and record as last read.
-    pub(crate) async fn finish_close(&self, id: &SessionId, read: (OabSession, SessionRecord)) -> Result<()> {
+    /// `read` is the anchor and record as last read; `served`, the worker the record named
+    /// before the close, if the caller knows it (see [`stop_worker`](Self::stop_worker)).
+    pub(crate) async fn finish_close(
+        &self,
+        id: &SessionId,
+        read: (OabSession, SessionRecord),
+        served: Option<(String, String)>,
+    ) -> Result<()> {
         let record = read.1.clone();
         let Some(close) = record.close else {
             return Ok(());
@@ -1650,8 +1761,10 @@ impl KubernetesRuntime {
         let _ = self
             .retire_previous(id, record.generation + 1, Duration::ZERO)
             .await;
-        self.stop_worker(id, record.generation, Some(KILL_GRACE)).await?;
-        self.delete_service_account(id, record.incarnation).await?;
+        self.stop_worker(id, record.generation, Some(KILL_GRACE), served)
+            .await?;
+        self.delete_service_account(id, record.incarnation, record.service_account_uid.as_deref())
+            .await?;
         // A lost volume is not looked for: a claim under its name now is not the session's.
         if close.retention == Retention::Delete && record.storage_lost.is_none() {
             if let Volume::Owned { claim, uid } = &record.volume {
@@ -1661,6 +1774,7 @@ impl KubernetesRuntime {
         let incarnation = record.incarnation;
         let mut closed = false;
         self.update_from(id, Some(read), |current| {
+            closed = false;
             // Another broker may have finished this close and started the next session.
             if current.incarnation != incarnation || current.state() != SessionState::Closing {
                 return Ok(None);
@@ -1732,8 +1846,14 @@ impl KubernetesRuntime {
     ) -> Result<SessionHandle> {
         let id = identity.id();
         let digest = data_encoding::HEXLOWER.encode(&identity.digest());
+        // A new session's anchor is created without a read first; a conflict says there is one.
+        let mut exists = false;
         for _ in 0..CAS_ATTEMPTS {
-            let Some((anchor, record)) = self.load_anchor(&id).await? else {
+            let found = match exists {
+                true => self.load_anchor(&id).await?,
+                false => None,
+            };
+            let Some((anchor, record)) = found else {
                 let anchor = OabSession::for_session(&self.installation, &id, &digest);
                 match self
                     .anchor_api()
@@ -1743,11 +1863,14 @@ impl KubernetesRuntime {
                 {
                     Ok(created) => {
                         self.apis().await?.events.learn_anchor(&id, created.uid());
-                        let record = self.first_record(&id, &digest, seed.clone()).await?;
+                        let record = self.first_record(&id, &created, &digest, seed.clone()).await?;
                         let record = self.provision(&id, created, record).await?;
                         return Ok(SessionHandle::new(id, record.state(), record.generation, true));
                     }
-                    Err(error) if is_status(&error, 409) => continue,
+                    Err(error) if is_status(&error, 409) => {
+                        exists = true;
+                        continue;
+                    }
                     Err(error) => return Err(api_error(&format!("creating session {id}"), error)),
                 }
             };
@@ -1769,7 +1892,7 @@ impl KubernetesRuntime {
             }
             let Some(record) = record else {
                 // A create that recorded nothing yet (its broker may have gone): finished here.
-                let record = self.first_record(&id, &digest, seed.clone()).await?;
+                let record = self.first_record(&id, &anchor, &digest, seed.clone()).await?;
                 let record = self.provision(&id, anchor, record).await?;
                 return Ok(SessionHandle::new(id, record.state(), record.generation, true));
             };
@@ -1778,7 +1901,9 @@ impl KubernetesRuntime {
                     let record = self.provision(&id, anchor, record).await?;
                     return Ok(SessionHandle::new(id, record.state(), record.generation, true));
                 }
-                Phase::Session(SessionState::Closing) => self.finish_close(&id, (anchor, record)).await?,
+                Phase::Session(SessionState::Closing) => {
+                    self.finish_close(&id, (anchor, record), None).await?
+                }
                 Phase::Session(SessionState::Closed) => {
                     // A new session under the same id: generations keep growing, and the new
                     // incarnation gets a volume of its own.
@@ -1799,22 +1924,31 @@ impl KubernetesRuntime {
         Err(retry_later(&id, "the session kept changing while it was created"))
     }
 
-    /// The record a new anchor of `id` starts with, before provisioning writes it.
+    /// The record a new `anchor` of `id` starts with, before provisioning writes it, and its
+    /// identity: the ServiceAccount's name takes the incarnation, so making it is also the
+    /// check that no earlier record's account has that number.
     async fn first_record(
         &self,
         id: &SessionId,
+        anchor: &OabSession,
         digest: &str,
         seed: Option<SeedRecord>,
     ) -> Result<SessionRecord> {
         let (generation, incarnation) = self.surviving_numbers(id).await?;
+        let (incarnation, account_uid) = self
+            .first_identity(id, incarnation, &anchor.uid().unwrap_or_default())
+            .await?;
         let mut record = SessionRecord::new(*id, digest.to_owned(), generation, incarnation);
         record.seed = seed;
+        record.service_account = true;
+        record.service_account_uid = account_uid;
         Ok(record)
     }
 
     /// The generation and incarnation a new record of `id` starts from: past every number that
     /// objects of an earlier record (deleted, its objects perhaps still there or orphaned) carry,
-    /// so a worker Pod, claim or identity of that record is never taken for this one's.
+    /// so a worker Pod or claim of that record is never taken for this one's (its identity:
+    /// see [`first_identity`](Self::first_identity)).
     ///
     /// # Errors
     /// [`Error::Backend`] if the API server could not be read.
@@ -1834,7 +1968,7 @@ impl KubernetesRuntime {
             .list(&kube::api::ListParams::default().labels(&format!("{}={id}", names::SESSION)))
             .await
             .map_err(|e| api_error(&format!("listing the claims of session {id}"), e))?;
-        let mut incarnation = claims
+        let incarnation = claims
             .items
             .iter()
             .filter(|claim| names::belongs_to(&claim.metadata, id))
@@ -1842,18 +1976,6 @@ impl KubernetesRuntime {
             .max()
             .unwrap_or(0)
             + 1;
-        // An identity of an earlier record orphaned by its deletion (the claims of a session
-        // without a volume say nothing).
-        while self
-            .service_accounts()
-            .await?
-            .get_opt(&names::service_account(id, incarnation))
-            .await
-            .map_err(|e| api_error(&format!("reading the identity of session {id}"), e))?
-            .is_some()
-        {
-            incarnation += 1;
-        }
         Ok((generation, incarnation))
     }
 

@@ -7,7 +7,7 @@
 //! session's anchor (a deleted record takes it along) and deleted when the session closes.
 
 use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::api::PostParams;
+use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::ResourceExt;
 use session_runtime::{Error, Result, SessionId};
 
@@ -15,6 +15,20 @@ use crate::api::{api_error, delete_if_unchanged, is_status};
 use crate::names;
 use crate::pod::owned_by_anchor;
 use crate::KubernetesRuntime;
+
+/// How many accounts of earlier records a new record's first identity looks past.
+const EARLIER_IDENTITIES: u64 = 64;
+
+fn not_the_sessions(id: &SessionId, name: &str) -> Error {
+    Error::Backend {
+        runtime: crate::RUNTIME,
+        retryable: false,
+        message: format!(
+            "session {id}: the ServiceAccount {name} exists but is not this session's; it is left alone"
+        ),
+        source: None,
+    }
+}
 
 /// The ServiceAccount of one incarnation of a session.
 pub(crate) fn service_account(
@@ -38,7 +52,8 @@ pub(crate) fn service_account(
 }
 
 impl KubernetesRuntime {
-    /// Makes the session incarnation's ServiceAccount, or finds the one an earlier attempt made.
+    /// Makes the session incarnation's ServiceAccount, or finds the one an earlier attempt made;
+    /// with its UID.
     ///
     /// # Errors
     /// [`Error::Backend`]: not retryable when the name is taken by an object that is not this
@@ -51,26 +66,19 @@ impl KubernetesRuntime {
         id: &SessionId,
         incarnation: u64,
         anchor_uid: &str,
-    ) -> Result<()> {
+    ) -> Result<Option<String>> {
         let account = service_account(self.installation(), id, incarnation, anchor_uid);
         let name = account.name_any();
         let api = self.service_accounts().await?;
         match api.create(&PostParams::default(), &account).await {
-            Ok(_) => Ok(()),
+            Ok(created) => Ok(created.uid()),
             Err(error) if is_status(&error, 409) => {
                 let found = api
                     .get(&name)
                     .await
                     .map_err(|e| api_error(&format!("reading ServiceAccount {name}"), e))?;
                 if !names::belongs_to(&found.metadata, id) {
-                    return Err(Error::Backend {
-                        runtime: crate::RUNTIME,
-                        retryable: false,
-                        message: format!(
-                            "session {id}: the ServiceAccount {name} exists but is not this session's; it is left alone"
-                        ),
-                        source: None,
-                    });
+                    return Err(not_the_sessions(id, &name));
                 }
                 if found.metadata.deletion_timestamp.is_some() {
                     return Err(Error::Backend {
@@ -80,19 +88,90 @@ impl KubernetesRuntime {
                         source: None,
                     });
                 }
-                Ok(())
+                Ok(found.uid())
             }
             Err(error) => Err(api_error(&format!("creating ServiceAccount {name}"), error)),
         }
     }
 
-    /// Deletes the session incarnation's ServiceAccount, if it is there and is the session's.
+    /// Makes the ServiceAccount of a new record's first incarnation, owned by its anchor
+    /// (`anchor_uid`): at `incarnation`, or past it where an earlier record of the session left
+    /// its account behind (orphaned when that record was deleted). With the incarnation and the
+    /// account's UID. An account of this anchor already there (an earlier attempt's) is adopted.
+    ///
+    /// # Errors
+    /// As [`ensure_service_account`](Self::ensure_service_account); retryable when
+    /// [`EARLIER_IDENTITIES`] earlier accounts were in the way.
+    ///
+    /// # Idempotency
+    /// A second call finds the first call's account and returns the same incarnation.
+    pub(crate) async fn first_identity(
+        &self,
+        id: &SessionId,
+        incarnation: u64,
+        anchor_uid: &str,
+    ) -> Result<(u64, Option<String>)> {
+        let api = self.service_accounts().await?;
+        for incarnation in incarnation..incarnation + EARLIER_IDENTITIES {
+            let account = service_account(self.installation(), id, incarnation, anchor_uid);
+            let name = account.name_any();
+            let found = match api.create(&PostParams::default(), &account).await {
+                Ok(created) => return Ok((incarnation, created.uid())),
+                Err(error) if is_status(&error, 409) => api
+                    .get(&name)
+                    .await
+                    .map_err(|e| api_error(&format!("reading ServiceAccount {name}"), e))?,
+                Err(error) => return Err(api_error(&format!("creating ServiceAccount {name}"), error)),
+            };
+            if !names::belongs_to(&found.metadata, id) {
+                return Err(not_the_sessions(id, &name));
+            }
+            let this_anchors = found
+                .owner_references()
+                .iter()
+                .any(|owner| owner.uid == anchor_uid);
+            if this_anchors && found.metadata.deletion_timestamp.is_none() {
+                return Ok((incarnation, found.uid()));
+            }
+        }
+        Err(Error::Backend {
+            runtime: crate::RUNTIME,
+            retryable: true,
+            message: format!(
+                "session {id}: {EARLIER_IDENTITIES} ServiceAccounts of earlier records are still there"
+            ),
+            source: None,
+        })
+    }
+
+    /// Deletes the session incarnation's ServiceAccount, if it is there and is the session's:
+    /// the one with `uid` when the record kept it (a ServiceAccount of that name with another
+    /// UID is not the session's), else the one found under its name.
     ///
     /// # Errors
     /// [`Error::Backend`] when the API fails; a missing account is not an error.
-    pub(crate) async fn delete_service_account(&self, id: &SessionId, incarnation: u64) -> Result<()> {
+    pub(crate) async fn delete_service_account(
+        &self,
+        id: &SessionId,
+        incarnation: u64,
+        uid: Option<&str>,
+    ) -> Result<()> {
         let name = names::service_account(id, incarnation);
         let api = self.service_accounts().await?;
+        if let Some(uid) = uid {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(uid.to_owned()),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            return match api.delete(&name, &params).await {
+                Ok(_) => Ok(()),
+                Err(error) if is_status(&error, 404) || is_status(&error, 409) => Ok(()),
+                Err(error) => Err(api_error(&format!("deleting ServiceAccount {name}"), error)),
+            };
+        }
         let found = api
             .get_opt(&name)
             .await

@@ -22,7 +22,7 @@ use session_runtime::{
     CloseReason, CreateOptions, SessionId, SessionIdentity, SessionRuntime, SessionState, SuspendReason,
 };
 use test_cluster::k8s_openapi::api::core::v1::{Pod, ServiceAccount};
-use test_cluster::kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use test_cluster::kube::api::{DeleteParams, ListParams};
 use test_cluster::kube::{Api, ResourceExt};
 use test_cluster::{unique_name, TestCluster};
 use worker_relay::BrokerKey;
@@ -240,24 +240,6 @@ async fn a_warm_worker_serves_a_new_session_and_is_never_returned_to_the_pool() 
     empty_pool(&cluster, &runtime, &profile, &installation).await;
 }
 
-/// Makes `profile`'s spec the TOML `document` (a new profile version).
-async fn replace_profile(cluster: &TestCluster, profile: &AdminObject, document: &str) {
-    let object = runtime_kubernetes::profile::WorkerProfile::resource_from_toml(profile.name(), document)
-        .expect("a profile");
-    let api: Api<test_cluster::kube::api::DynamicObject> = Api::namespaced_with(
-        cluster.admin(),
-        cluster.sessions_namespace(),
-        &runtime_kubernetes::profile::WorkerProfile::resource(),
-    );
-    api.patch(
-        profile.name(),
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({ "spec": object.data["spec"] })),
-    )
-    .await
-    .expect("change the profile");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn two_brokers_racing_for_the_pool_give_each_member_to_one_session() {
@@ -330,7 +312,7 @@ async fn empty_pool(
     profile: &AdminObject,
     installation: &str,
 ) {
-    replace_profile(cluster, profile, &pooled_profile(0, "")).await;
+    profile.replace_profile(cluster, &pooled_profile(0, "")).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let report = runtime.reconcile().await.expect("reconcile");
@@ -422,7 +404,9 @@ async fn a_profile_change_replaces_the_members_and_leaves_claimed_workers_alone(
     assert!(before.contains(&worker));
     let old = filled(&cluster, &runtime, &installation, 2).await;
 
-    replace_profile(&cluster, &profile, &pooled_profile(2, "idle_ttl = \"45m\"")).await;
+    profile
+        .replace_profile(&cluster, &pooled_profile(2, "idle_ttl = \"45m\""))
+        .await;
     let report = runtime.reconcile().await.expect("reconcile");
     let trimmed: BTreeSet<String> = report.warm_trimmed.iter().cloned().collect();
     assert_eq!(trimmed, old, "every member of the old version goes, nothing else");

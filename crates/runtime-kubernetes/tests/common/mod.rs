@@ -13,7 +13,7 @@ use runtime_kubernetes::profile::WorkerProfile;
 use runtime_kubernetes::{KubernetesRuntime, KubernetesRuntimeBuilder};
 use session_runtime::config::{KubernetesConfig, Reach};
 use test_cluster::k8s_openapi::api::core::v1::ConfigMap;
-use test_cluster::kube::api::{DeleteParams, DynamicObject, ObjectMeta, PostParams};
+use test_cluster::kube::api::{DeleteParams, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use test_cluster::kube::Api;
 use test_cluster::TestCluster;
 
@@ -94,6 +94,24 @@ impl AdminObject {
             name: name.to_owned(),
             _delete: DeleteOnDrop::profile(cluster, cluster.sessions_namespace(), name),
         }
+    }
+
+    /// Makes this worker profile's spec the TOML `document` (a new profile version).
+    pub async fn replace_profile(&self, cluster: &TestCluster, document: &str) {
+        let object = WorkerProfile::resource_from_toml(&self.name, document).expect("a profile in TOML");
+        let profiles: Api<DynamicObject> = Api::namespaced_with(
+            cluster.admin(),
+            cluster.sessions_namespace(),
+            &WorkerProfile::resource(),
+        );
+        profiles
+            .patch(
+                &self.name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": object.data["spec"] })),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("change the OabProfile {}: {e}", self.name));
     }
 
     /// Its name.
