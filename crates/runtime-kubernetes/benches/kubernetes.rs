@@ -8,11 +8,13 @@
 //! 2. On the real node: attach of a new session to the agent's first ACP reply, against a bare
 //!    Pod of the same image from create to Ready, in the same run (median of 20 each); and where
 //!    the attach goes: a bare Pod of the worker's shape (an init container, then the main one),
+//!    a bare Pod with the volumes of an ephemeral worker mounted whole (two `emptyDir`s),
 //!    `attach` returning (the relay's welcome), and the ACP `initialize` reply after it; and a
 //!    resume (attach after suspend) of the same session, whose worker needs no init container;
 //!    then the same with the volume mounted whole (`volume_path`), which needs none at all; and
 //!    both with ephemeral storage (no provisioner; subPaths need the init container on every
-//!    start). Medians and p95 of 20.
+//!    start); and ephemeral storage in the container's own layer (`container_layer`: no volume
+//!    at all). Medians and p95 of 20.
 //! 3. One reconcile pass over 10,000 session anchors: wall time, this process's CPU time, and
 //!    API requests (`OAB_BENCH_ANCHORS` changes the number).
 //! 4. On the real node: 30 sessions at once (`OAB_BENCH_CONCURRENT` changes the number), each a
@@ -140,6 +142,18 @@ async fn run() {
         .await
         .expect("a profile with the volume mounted whole");
     }
+    // Ephemeral storage in the container's own layer: no volume at all.
+    let container_layer = format!("{installation}-layer");
+    let document = WORKER.replace(EPHEMERAL, &format!("{EPHEMERAL}\ncontainer_layer = true"));
+    maps.create(
+        &PostParams::default(),
+        &profile(
+            &container_layer,
+            &format!("volume_path = \"/tmp/session\"\n{document}"),
+        ),
+    )
+    .await
+    .expect("a profile in the container layer");
     let faults = Faults::new();
     let build = |profile: &str| {
         let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile);
@@ -174,6 +188,7 @@ async fn run() {
             ("a claim each, mounted whole", &whole_volume),
             ("ephemeral, subPaths + init container", &installation),
             ("ephemeral, mounted whole", &whole_ephemeral),
+            ("ephemeral, in the container layer", &container_layer),
         ]
         .into_iter()
         .enumerate()
@@ -412,6 +427,7 @@ async fn attach_against_a_bare_pod(
     let pods: Api<Pod> = Api::namespaced(cluster.admin(), cluster.sessions_namespace());
     let mut bare = Vec::new();
     let mut shaped = Vec::new();
+    let mut volumed = Vec::new();
     let mut figures: Vec<[Vec<Duration>; 3]> = layouts.iter().map(|_| Default::default()).collect();
     // Interleaved, so a machine that slows down mid-run slows all alike.
     for sample in 0..SAMPLES {
@@ -434,6 +450,13 @@ async fn attach_against_a_bare_pod(
             spec.init_containers = Some(vec![init]);
         }
         shaped.push(bare_pod_to_ready(&pods, pod).await);
+        volumed.push(
+            bare_pod_to_ready(
+                &pods,
+                with_worker_volumes(&format!("{installation}-volumed-{sample}")),
+            )
+            .await,
+        );
         for (layout, (_, runtime)) in layouts.iter().enumerate() {
             let name = format!("attach-{layout}-{sample}");
             let sampled = new_session_and_resume(runtime, installation, &name).await;
@@ -465,18 +488,54 @@ async fn attach_against_a_bare_pod(
     println!("a new session to its first ACP reply, and its resume, against a bare Pod of the same image to Ready ({SAMPLES} each):");
     let bare_median = row("bare Pod", &bare);
     let shaped_median = row("bare Pod, init + main", &shaped);
+    let volumed_median = row("bare Pod, 2 emptyDirs", &volumed);
     for ((label, _), [attached, first, resume]) in layouts.iter().zip(&figures) {
         println!(" {label}:");
         row("attach returned", attached);
         let first = row("first ACP reply", first);
         let resume = row("resume to ACP reply", resume);
         println!(
-            "  ratio of medians: first reply {:.2}x the bare Pod ({:.2}x the bare Pod with an init container), resume {:.2}x the bare Pod",
+            "  ratio of medians: first reply {:.2}x the bare Pod ({:.2}x the bare Pod with an init container, {:.2}x with the worker's volumes), resume {:.2}x the bare Pod ({:.2}x with the worker's volumes)",
             ratio(first, bare_median),
             ratio(first, shaped_median),
-            ratio(resume, bare_median)
+            ratio(first, volumed_median),
+            ratio(resume, bare_median),
+            ratio(resume, volumed_median)
         );
     }
+}
+
+/// A bare Pod of the worker image with the volumes an ephemeral worker mounted whole has (an
+/// `emptyDir` for the session, one for `/tmp`): a Pod with any volume waits for the kubelet to
+/// mount them, which it checks every 300 ms (`podAttachAndMountRetryInterval`), after a first
+/// check that comes too early.
+fn with_worker_volumes(name: &str) -> Pod {
+    use test_cluster::k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Volume, VolumeMount};
+    let mut pod = restricted_pod(name, "openab.dev/worker:test", &["/bin/sleep", "3600"]);
+    if let Some(spec) = pod.spec.as_mut() {
+        let volumes = [("session", "/session"), ("tmp", "/tmp")];
+        spec.volumes = Some(
+            volumes
+                .iter()
+                .map(|(volume, _)| Volume {
+                    name: (*volume).to_owned(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Volume::default()
+                })
+                .collect(),
+        );
+        spec.containers[0].volume_mounts = Some(
+            volumes
+                .iter()
+                .map(|(volume, path)| VolumeMount {
+                    name: (*volume).to_owned(),
+                    mount_path: (*path).to_owned(),
+                    ..VolumeMount::default()
+                })
+                .collect(),
+        );
+    }
+    pod
 }
 
 /// Prints one figure's `samples` (min, median, p95, max) under `label`; its median.

@@ -249,7 +249,7 @@ fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
             }),
             empty_dir: body.claim.is_none().then(|| EmptyDirVolumeSource {
                 size_limit: match &profile.storage {
-                    Storage::Ephemeral { size_limit } => size_limit.clone().map(Quantity),
+                    Storage::Ephemeral { size_limit, .. } => size_limit.clone().map(Quantity),
                     _ => None,
                 },
                 ..EmptyDirVolumeSource::default()
@@ -295,6 +295,13 @@ fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
         mount_path: "/tmp".to_owned(),
         ..VolumeMount::default()
     });
+    // In the container's own layer, nothing is mounted for the session or `/tmp` (see
+    // `Storage::Ephemeral::container_layer`): the kubelet then has no volume to wait for.
+    let in_container_layer = profile.in_container_layer();
+    if in_container_layer {
+        volumes.clear();
+        mounts.clear();
+    }
     for (index, skill) in profile.skills.iter().enumerate() {
         // By position: a skill's name may be longer than a volume name may be.
         let name = format!("skill-{index}");
@@ -380,7 +387,10 @@ fn pod_body(profile: &WorkerProfile, body: &Body<'_>) -> Pod {
     command.push("--".to_owned());
     command.extend(profile.agent.iter().cloned());
 
-    let security = restricted_container();
+    let mut security = restricted_container();
+    if in_container_layer {
+        security.read_only_root_filesystem = Some(false);
+    }
 
     let container = Container {
         name: CONTAINER.to_owned(),
@@ -689,6 +699,71 @@ mod tests {
             "no init container once the directories exist"
         );
         assert_eq!(sub_paths(&later), sub_paths(&first), "the same directories");
+    }
+
+    /// In the container's own layer, a worker has no volume at all (so the kubelet has none to
+    /// wait for) and a root filesystem it may write where the image lets it; the relay makes the
+    /// two directories under `volume_path`. A skill still brings its own read-only volume.
+    #[test]
+    fn a_container_layer_worker_has_no_volume_and_makes_its_directories() {
+        let storage =
+            "volume_path = \"/tmp/session\"\n[storage]\nkind = \"ephemeral\"\ncontainer_layer = true\n";
+        let (_, pod) = pod_for(storage);
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.volumes.as_deref(), Some(&[][..]), "no volume");
+        let container = &spec.containers[0];
+        assert_eq!(
+            container.volume_mounts.as_deref(),
+            Some(&[][..]),
+            "nothing mounted"
+        );
+        let security = container.security_context.as_ref().expect("security context");
+        assert_eq!(security.read_only_root_filesystem, Some(false));
+        assert_eq!(
+            security.allow_privilege_escalation,
+            Some(false),
+            "still restricted"
+        );
+        assert!(spec.init_containers.is_none());
+        let command = container.command.clone().unwrap_or_default();
+        let made: Vec<&str> = command
+            .windows(2)
+            .filter(|pair| pair[0] == "--make-dir")
+            .map(|pair| pair[1].as_str())
+            .collect();
+        assert_eq!(
+            made,
+            ["/tmp/session/workspace", "/tmp/session/home"],
+            "{command:?}"
+        );
+
+        let (_, default) = pod_for("volume_path = \"/session\"\n[storage]\nkind = \"ephemeral\"\n");
+        let default = default.spec.expect("spec");
+        let security = default.containers[0]
+            .security_context
+            .clone()
+            .expect("security context");
+        assert_eq!(
+            security.read_only_root_filesystem,
+            Some(true),
+            "the default keeps the root read-only"
+        );
+        assert_eq!(
+            default.volumes.map(|volumes| volumes.len()),
+            Some(2),
+            "the session's and /tmp"
+        );
+
+        let skilled = format!("{storage}[[skills]]\nname = \"s\"\nmount_path = \"/skills/s\"\nconfig_map = \"s\"\nversion = \"1\"\n");
+        let (_, with_skill) = pod_for(&skilled);
+        let volumes: Vec<String> = with_skill
+            .spec
+            .and_then(|spec| spec.volumes)
+            .into_iter()
+            .flatten()
+            .map(|volume| volume.name)
+            .collect();
+        assert_eq!(volumes, ["skill-0"]);
     }
 
     /// With `volume_path`, a volume of the session's own is mounted whole and the relay makes

@@ -18,6 +18,17 @@ const SKILL: &str = "# A shared skill\nRead-only for every session.\n";
 
 /// The suite between two workers of `image` whose profile adds the top-level `keys`.
 async fn isolation(reach: Reach, installation: &str, image: &str, keys: &str) {
+    isolation_with_storage(reach, installation, image, keys, None).await;
+}
+
+/// [`isolation`], with the profile's `[storage]` table's keys replaced by `storage`.
+async fn isolation_with_storage(
+    reach: Reach,
+    installation: &str,
+    image: &str,
+    keys: &str,
+    storage: Option<&str>,
+) {
     let cluster = TestCluster::connect().await;
     let skills = AdminObject::install(
         &cluster,
@@ -27,7 +38,14 @@ async fn isolation(reach: Reach, installation: &str, image: &str, keys: &str) {
     .await;
     let profile_text = format!(
         "{keys}{}\n[[skills]]\nname = \"demo\"\nmount_path = \"/skills\"\nconfig_map = \"{}\"\nversion = \"1\"\n",
-        WORKER_PROFILE.replace("openab.dev/worker:test", image),
+        match storage {
+            Some(storage) => format!(
+                "{}[storage]\n{storage}",
+                WORKER_PROFILE.split("[storage]").next().unwrap_or_default()
+            ),
+            None => WORKER_PROFILE.to_owned(),
+        }
+        .replace("openab.dev/worker:test", image),
         skills.name()
     );
     let profile = AdminObject::profile(&cluster, installation, &profile_text).await;
@@ -84,6 +102,22 @@ async fn two_workers_with_their_volumes_mounted_whole_cannot_touch_each_other() 
         "isolation-whole-volume",
         "openab.dev/worker:test",
         "volume_path = \"/session\"\n",
+    )
+    .await;
+}
+
+/// The same between two workers whose session directories live in their containers' own layers
+/// (`container_layer = true`): no volume at all, a root filesystem each may write where the
+/// image lets it, and nothing of the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn two_workers_in_their_container_layers_cannot_touch_each_other() {
+    isolation_with_storage(
+        Reach::PodIp,
+        "isolation-container-layer",
+        "openab.dev/worker:test",
+        "volume_path = \"/tmp/session\"\n",
+        Some("kind = \"ephemeral\"\ncontainer_layer = true\n"),
     )
     .await;
 }

@@ -1,8 +1,9 @@
 //! `volume_path` on the real node: a worker whose volume of its own is mounted whole starts
 //! without an init container, its relay makes the workspace and HOME owned by the worker user
 //! (mode 0700), git accepts the workspace, and a resumed worker finds what the last one wrote (a
-//! claim) or a fresh volume (ephemeral storage). The isolation acceptance suite with this
-//! layout is in `isolation.rs`.
+//! claim) or a fresh volume (ephemeral storage). The same for ephemeral storage in the
+//! container's own layer (`container_layer = true`), whose worker has no volume at all. The
+//! isolation acceptance suite with this layout is in `isolation.rs`.
 //!
 //! Run: `scripts/cluster up && eval "$(scripts/cluster env)" && cargo test -p runtime-kubernetes
 //! --test whole_volume -- --ignored`.
@@ -39,16 +40,16 @@ fn init_containers(pod: &Pod) -> usize {
 }
 
 /// One session through create, attach, suspend and resume under `storage` (a profile's
-/// `[storage]` table) with `volume_path = "/session"`; `kept` says whether the resumed worker
-/// finds the first one's files.
-async fn whole_volume(name: &str, storage: &str, kept: bool) {
+/// `[storage]` table) with `volume_path`; `kept` says whether the resumed worker finds the first
+/// one's files.
+async fn whole_volume(name: &str, storage: &str, volume_path: &str, kept: bool) {
     let installation = unique_name(name);
     let cluster = TestCluster::connect().await;
     let base = WORKER_PROFILE
         .split("[storage]")
         .next()
         .expect("the profile's keys");
-    let document = format!("volume_path = \"/session\"\n{base}{storage}");
+    let document = format!("volume_path = \"{volume_path}\"\n{base}{storage}");
     let profile = AdminObject::profile(&cluster, &installation, &document).await;
     let runtime = runtime(&cluster, &profile, Reach::Exec, &installation);
     let identity = SessionIdentity::new(&installation, "agent", "test", "whole").expect("identity");
@@ -60,17 +61,34 @@ async fn whole_volume(name: &str, storage: &str, kept: bool) {
 
     let client = AcpClient::new(runtime.attach(&id).await.expect("attach"));
     client.initialize().await.expect("initialize");
+    let pod = worker_pod(&cluster, id.as_str()).await;
     assert_eq!(
-        init_containers(&worker_pod(&cluster, id.as_str()).await),
+        init_containers(&pod),
         0,
         "a new session's worker starts without an init container"
     );
+    let volumes = pod.spec.and_then(|spec| spec.volumes).unwrap_or_default();
+    if storage.contains("container_layer = true") {
+        assert!(
+            volumes.is_empty(),
+            "no volume in the container layer: {volumes:?}"
+        );
+    } else {
+        assert!(
+            volumes.iter().any(|volume| volume.name == "session"),
+            "{volumes:?}"
+        );
+    }
     let made = client
         .exec("pwd; echo \"$HOME\"; stat -c '%u:%g %a' . \"$HOME\"")
         .await
         .expect("exec");
     let lines: Vec<&str> = made.stdout.lines().collect();
-    assert_eq!(lines[..2], ["/session/workspace", "/session/home"], "{made:?}");
+    assert_eq!(
+        lines[..2],
+        [format!("{volume_path}/workspace"), format!("{volume_path}/home")],
+        "{made:?}"
+    );
     assert!(
         lines.len() == 4 && lines[2..].iter().all(|line| private_to_the_worker(line)),
         "{made:?}"
@@ -85,8 +103,8 @@ async fn whole_volume(name: &str, storage: &str, kept: bool) {
         .await
         .expect("exec");
     assert!(git.success() && git.stdout.ends_with("done\n"), "{git:?}");
-    // The control: a directory the kubelet made (the worker's /tmp, an emptyDir like an
-    // ephemeral volume), which root owns, git does refuse.
+    // The control: a directory root owns (the worker's /tmp: an emptyDir the kubelet made, or
+    // the image's), which git does refuse.
     let control = client
         .exec(
             "stat -c %u /tmp; git init -q /tmp 2>/dev/null && git -C /tmp status 2>&1 \
@@ -129,6 +147,7 @@ async fn a_claim_mounted_whole_needs_no_init_container_and_keeps_its_directories
     whole_volume(
         "whole-claim",
         "[storage]\nkind = \"per-session\"\nclass = \"openab-test-local\"\nsize = \"1Gi\"\n",
+        "/session",
         true,
     )
     .await;
@@ -137,5 +156,23 @@ async fn a_claim_mounted_whole_needs_no_init_container_and_keeps_its_directories
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
 async fn an_ephemeral_volume_mounted_whole_needs_no_init_container() {
-    whole_volume("whole-ephemeral", "[storage]\nkind = \"ephemeral\"\n", false).await;
+    whole_volume(
+        "whole-ephemeral",
+        "[storage]\nkind = \"ephemeral\"\n",
+        "/session",
+        false,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster with a real node: scripts/cluster up, then cargo test -- --ignored"]
+async fn ephemeral_storage_in_the_container_layer_needs_no_volume() {
+    whole_volume(
+        "layer-ephemeral",
+        "[storage]\nkind = \"ephemeral\"\ncontainer_layer = true\n",
+        "/tmp/session",
+        false,
+    )
+    .await;
 }
