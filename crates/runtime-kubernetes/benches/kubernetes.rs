@@ -259,6 +259,7 @@ async fn run() {
         &with_volume,
         &whole_volume,
         &whole_ephemeral,
+        &container_layer,
         &real_agent,
         &gvisor,
     ] {

@@ -17,7 +17,8 @@
 //! member is never returned: it is the session's worker from then on and goes as any worker goes.
 //!
 //! Members are kept by the brokers, which hold the key that binds them (the controller holds
-//! none): a claim refills in the background, and `reconcile` refills, trims members of another
+//! none): an attach that picked a member refills in the background once it has its worker (an
+//! empty pool at once), and `reconcile` refills, trims members of another
 //! profile version or key and any beyond the pool's size, and deletes member accounts whose Pod
 //! is gone.
 
@@ -158,8 +159,11 @@ impl KubernetesRuntime {
             }
             oldest
         };
-        // Every pick leaves a place to fill, and an empty pool needs filling.
-        self.spawn_refill(profile).await;
+        // An empty pool needs filling now; a pick leaves a place the attach fills once it has
+        // its worker, so that the refill's requests do not slow the claim.
+        if picked.is_none() {
+            self.spawn_refill(profile).await;
+        }
         picked
     }
 
@@ -269,7 +273,7 @@ impl KubernetesRuntime {
     }
 
     /// Starts a refill of `profile`'s pool in the background (stopped with the runtime).
-    async fn spawn_refill(&self, profile: &WorkerProfile) {
+    pub(crate) async fn spawn_refill(&self, profile: &WorkerProfile) {
         let Ok(keeper) = self.pool_keeper().await else {
             return;
         };
@@ -313,10 +317,19 @@ struct Plan<'a> {
     start: usize,
 }
 
-fn plan<'a>(pods: &'a [Pod], profile: &WorkerProfile, key_label: &str, target: usize) -> Plan<'a> {
+fn plan<'a>(
+    pods: &'a [Pod],
+    profile: &WorkerProfile,
+    key_label: &str,
+    target: usize,
+    picked: &HashSet<String>,
+) -> Plan<'a> {
     let (members, mut remove): (Vec<&Pod>, Vec<&Pod>) = pods
         .iter()
         .filter(|pod| of_profile(pod, profile))
+        // A member this process picked is on its way out of the pool (its claim may not have
+        // landed yet): neither counted nor removed.
+        .filter(|pod| !picked.contains(&pod.name_any()))
         .partition(|pod| current(pod, profile, key_label) && !matches!(progress(pod), Progress::Failed(_)));
     let mut members = members;
     // Ready ones first, the oldest first: what is cut is what would serve last.
@@ -357,7 +370,8 @@ impl Keeper {
             }
         };
         let target = usize::try_from(profile.warm_pool).unwrap_or(0);
-        let plan = plan(&pods, profile, &self.key_label, target);
+        let picked = self.state.picked.lock().clone();
+        let plan = plan(&pods, profile, &self.key_label, target, &picked);
         if target == 0 && plan.remove.is_empty() {
             // No pool and no member: nothing to do. (The accounts of members claimed before the
             // pool was turned off go with the first pass that keeps a pool again.)
@@ -617,23 +631,44 @@ mod tests {
             names.sort();
             names
         };
-        let full = plan(&pods, &profile, &key_label(&key), 3);
+        let nothing_picked = HashSet::new();
+        let full = plan(&pods, &profile, &key_label(&key), 3, &nothing_picked);
         assert_eq!(
             removed(&full),
             ["oab-m-failed", "oab-m-foreign", "oab-m-old"],
             "never another profile's member nor a claimed worker"
         );
         assert_eq!(full.start, 1, "two members count, a third is started");
-        let smaller = plan(&pods, &profile, &key_label(&key), 1);
+        let smaller = plan(&pods, &profile, &key_label(&key), 1, &nothing_picked);
         assert_eq!(
             removed(&smaller),
             ["oab-m-failed", "oab-m-foreign", "oab-m-old", "oab-m-starting"],
             "beyond the size, the one that would serve last goes"
         );
         assert_eq!(smaller.start, 0);
-        let none = plan(&pods, &profile, &key_label(&key), 0);
+        let none = plan(&pods, &profile, &key_label(&key), 0, &nothing_picked);
         assert_eq!(none.remove.len(), 5);
         assert_eq!(none.start, 0);
+    }
+
+    /// A refill that runs while an attach's claim of a picked member has not landed yet (the
+    /// claim starts one) sees that member still in the pool: it must count it as gone, or the
+    /// pool stays one short until the next pass; and never remove it from under the claim.
+    #[test]
+    fn a_member_this_process_picked_is_neither_counted_nor_removed() {
+        let profile = profile(POOLED);
+        let key = BrokerKey::new(b"k".repeat(32));
+        let pods = vec![
+            member(&profile, "oab-m-picked", &key, "Running", true),
+            member(&profile, "oab-m-other", &key, "Running", true),
+        ];
+        let picked = HashSet::from(["oab-m-picked".to_owned()]);
+        let refill = plan(&pods, &profile, &key_label(&key), 2, &picked);
+        assert!(refill.remove.is_empty());
+        assert_eq!(refill.start, 1, "the picked one's place is filled");
+        let trim = plan(&pods, &profile, &key_label(&key), 0, &picked);
+        let removed: Vec<String> = trim.remove.iter().map(|pod| pod.name_any()).collect();
+        assert_eq!(removed, ["oab-m-other"], "never the picked one");
     }
 
     #[test]

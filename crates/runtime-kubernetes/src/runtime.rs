@@ -1370,10 +1370,15 @@ impl KubernetesRuntime {
             }),
         );
         let _ = self.retire_previous(id, generation, Duration::ZERO).await;
-        let error = match self
+        let picked = member.is_some();
+        let outcome = self
             .start_and_open(id, &anchor, &record, &profile, start, member)
-            .await
-        {
+            .await;
+        // The place the picked member left (claimed, or lost to another broker).
+        if picked {
+            self.spawn_refill(&profile).await;
+        }
+        let error = match outcome {
             Ok((attachment, start)) => {
                 in_flight.release();
                 telemetry::attached(RUNTIME, start, started.elapsed());

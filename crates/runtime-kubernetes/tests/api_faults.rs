@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{AdminObject, WORKER_PROFILE};
 use runtime_kubernetes::{Controller, ControllerEvent, KubernetesRuntime, LeaderElection};
-use session_runtime::config::{KubernetesConfig, Reach};
+use session_runtime::config::Reach;
 use session_runtime::{CloseReason, CreateOptions, Error, SessionIdentity, SessionRuntime, SessionState};
 use test_cluster::faults::{Faults, Rule};
 use test_cluster::k8s_openapi::api::core::v1::PersistentVolumeClaim;
@@ -25,11 +25,8 @@ fn runtime_with(
     profile: &AdminObject,
     installation: &str,
 ) -> Arc<KubernetesRuntime> {
-    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
-    config.reach = Reach::Exec;
     Arc::new(
-        KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
-            .installation(installation)
+        common::builder_through(cluster, faults, profile, Reach::Exec, installation)
             .orphan_grace(Duration::ZERO)
             .build()
             .expect("runtime"),

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::AdminObject;
 use runtime_kubernetes::KubernetesRuntime;
-use session_runtime::config::{KubernetesConfig, Reach};
+use session_runtime::config::Reach;
 use session_runtime::testing::AcpClient;
 use session_runtime::{
     CloseReason, CreateOptions, Error, SessionId, SessionIdentity, SessionRuntime, SuspendReason,
@@ -41,11 +41,8 @@ fn runtime_with(
     profile: &AdminObject,
     installation: &str,
 ) -> Arc<KubernetesRuntime> {
-    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
-    config.reach = Reach::PodIp;
     Arc::new(
-        KubernetesRuntime::builder(faults.client(cluster.broker_config()), config)
-            .installation(installation)
+        common::builder_through(cluster, faults, profile, Reach::PodIp, installation)
             .build()
             .expect("runtime"),
     )

@@ -198,6 +198,19 @@ pub fn builder(
     KubernetesRuntime::builder(cluster.broker(), config).installation(installation)
 }
 
+/// [`builder`], whose requests go through `faults` (which counts them, and may fail them).
+pub fn builder_through(
+    cluster: &TestCluster,
+    faults: &test_cluster::faults::Faults,
+    profile: &AdminObject,
+    reach: Reach,
+    installation: &str,
+) -> KubernetesRuntimeBuilder {
+    let mut config = KubernetesConfig::new(cluster.sessions_namespace(), profile.name());
+    config.reach = reach;
+    KubernetesRuntime::builder(faults.client(cluster.broker_config()), config).installation(installation)
+}
+
 /// A runtime for `installation` with the broker's identity, the profile and the reach.
 pub fn runtime(
     cluster: &TestCluster,
